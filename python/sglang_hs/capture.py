@@ -1,0 +1,197 @@
+"""Which rows of a forward belong to which request, and stitching chunks into samples.
+
+Plain Python/torch: the seams feed it numbers read off SGLang's batch, so every rule here
+(chunked prefill, retraction, prefix caps, aborted requests) is unit-tested without a server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+# Key of SamplingParams.custom_params under which a client passes export options.
+REQUEST_KEY = "sglang_hs"
+MAX_METADATA_CHARS = 16_384
+
+
+class RequestOptionsError(ValueError):
+    status_code = 400
+
+
+@dataclasses.dataclass
+class RequestOptions:
+    export: bool = True
+    loss_mask: Optional[List[int]] = None
+    metadata: Optional[Dict[str, Any]] = None
+
+
+def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
+    """Read `sampling_params.custom_params["sglang_hs"]`: {"export", "loss_mask", "metadata"}."""
+    raw = (custom_params or {}).get(REQUEST_KEY) if isinstance(custom_params, dict) else None
+    if raw is None:
+        return RequestOptions()
+    if not isinstance(raw, dict) or set(raw) - {"export", "loss_mask", "metadata"}:
+        raise RequestOptionsError(
+            f"custom_params[{REQUEST_KEY!r}] must be a dict with keys export (bool), "
+            f"loss_mask (list of 0/1, one per prompt token), metadata (dict); got {raw!r:.200}"
+        )
+    opts = RequestOptions(export=bool(raw.get("export", True)))
+    lm = raw.get("loss_mask")
+    if lm is not None:
+        if not isinstance(lm, list) or any(v not in (0, 1) or isinstance(v, float) for v in lm):
+            raise RequestOptionsError("loss_mask must be a list of 0/1 integers, one per prompt token")
+        opts.loss_mask = [int(v) for v in lm]
+    md = raw.get("metadata")
+    if md is not None:
+        import json
+
+        if not isinstance(md, dict):
+            raise RequestOptionsError("metadata must be a JSON object (dict)")
+        if len(json.dumps(md)) > MAX_METADATA_CHARS:
+            raise RequestOptionsError(f"metadata must serialize to at most {MAX_METADATA_CHARS} characters")
+        opts.metadata = md
+    return opts
+
+
+@dataclasses.dataclass
+class ReqExport:
+    """Export state of one request; every TP rank keeps it, only the writer holds rows."""
+
+    rid: str
+    prompt_ids: Sequence[int]
+    options: RequestOptions
+    next_pos: int = 0  # prompt positions [0, next_pos) have gone through a forward
+    done: bool = False  # the sample was handed to the writer (or failed); never export again
+    error: Optional[str] = None
+    chunks: List[torch.Tensor] = dataclasses.field(default_factory=list)  # writer only
+    rows_held: int = 0
+    reserved: int = 0  # host-budget bytes held for this request's rows (writer only)
+    aborted: Callable[[], bool] = lambda: False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def prefix_cap(self, upstream_max: int) -> int:
+        """Cached prefix tokens never pass through the forward, so an exported request may
+        only reuse a prefix as long as what it has already exported (0 at first: full
+        recompute; later chunks: exactly its own earlier chunks)."""
+        if self.done:
+            return upstream_max
+        return min(upstream_max, self.next_pos)
+
+    def fail(self, message: str) -> None:
+        """Mark the sample as never to be written; the caller releases its rows."""
+        self.error = message
+        self.done = True
+
+    def add_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Rows for prompt positions [start, start+len(rows)); a restart at start < held
+        (re-prefill after retraction) replaces the overlap instead of duplicating it."""
+        if start < self.rows_held:
+            keep, kept = start, []
+            for c in self.chunks:
+                if keep <= 0:
+                    break
+                kept.append(c[:keep])
+                keep -= c.shape[0]
+            self.chunks, self.rows_held = kept, start
+        assert start == self.rows_held, (start, self.rows_held)
+        self.chunks.append(rows)
+        self.rows_held += rows.shape[0]
+
+
+@dataclasses.dataclass
+class Segment:
+    state: ReqExport
+    start: int  # prompt position of the first row
+    num_rows: int
+
+
+def plan_forward(
+    states: Sequence[Optional[ReqExport]],
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+) -> Tuple[List[int], List[Segment], List[ReqExport]]:
+    """Rows of one extend forward to export: (flat row indices, one segment per request,
+    requests that failed).
+
+    The forward's rows are the requests' extend tokens back to back. A request contributes
+    the rows of its prompt positions; decode/output tokens and finished samples contribute
+    none. A prefix beyond what the request has exported would leave a hole, so it fails the
+    sample with a message instead of writing wrong rows.
+    """
+    rows: List[int] = []
+    segments: List[Segment] = []
+    failed: List[ReqExport] = []
+    offset = 0
+    for st, p, e in zip(states, prefix_lens, extend_lens):
+        if st is not None and not st.done:
+            if p > st.next_pos:
+                st.fail(
+                    f"rows {st.next_pos}..{p - 1} of request {st.rid} came from the prefix cache "
+                    "and were never computed; this is a bug in sglang-hs, please report it"
+                )
+                failed.append(st)
+            else:
+                n = min(p + e, st.prompt_len) - p
+                if n > 0:
+                    rows.extend(range(offset, offset + n))
+                    segments.append(Segment(st, p, n))
+                    st.next_pos = p + n
+        offset += e
+    return rows, segments, failed
+
+
+AuxStates = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def gather_rows(final: torch.Tensor, aux: AuxStates, index: torch.Tensor, num_aux: int) -> torch.Tensor:
+    """[n, K+1, H] on the forward's device: the K aux planes then the final plane.
+
+    `aux` is SGLang's list of K [N, H] tensors or its packed [N, K*H] buffer."""
+    if isinstance(aux, torch.Tensor):
+        aux_rows = aux.index_select(0, index).view(index.numel(), num_aux, -1)
+    else:
+        if len(aux) != num_aux:
+            raise RuntimeError(f"model captured {len(aux)} aux layers, expected {num_aux}")
+        aux_rows = torch.stack([a.index_select(0, index) for a in aux], dim=1)
+    return torch.cat([aux_rows, final.index_select(0, index).unsqueeze(1)], dim=1)
+
+
+def split_rows(host_rows: torch.Tensor, segments: Sequence[Segment]) -> List[ReqExport]:
+    """Hand each segment its rows (and their share of the host budget); return the
+    requests whose prompt is now complete."""
+    complete = []
+    off = 0
+    row_bytes = host_rows[0].numel() * host_rows.element_size() if host_rows.shape[0] else 0
+    for seg in segments:
+        st = seg.state
+        if st.done:  # failed meanwhile
+            off += seg.num_rows
+            continue
+        st.add_rows(seg.start, host_rows[off : off + seg.num_rows])
+        st.reserved += seg.num_rows * row_bytes
+        off += seg.num_rows
+        if st.rows_held == st.prompt_len:
+            complete.append(st)
+    return complete
+
+
+def build_sample(st: ReqExport, num_aux: int) -> Dict[str, torch.Tensor]:
+    rows = st.chunks[0] if len(st.chunks) == 1 else torch.cat(st.chunks, dim=0)
+    tensors = {
+        "token_ids": torch.tensor(list(st.prompt_ids), dtype=torch.int64),
+        "aux_hidden_states": rows[:, :num_aux],
+        "final_hidden_states": rows[:, num_aux],
+    }
+    if st.options.loss_mask is not None:
+        if len(st.options.loss_mask) != st.prompt_len:
+            raise RequestOptionsError(
+                f"loss_mask has {len(st.options.loss_mask)} entries but the prompt has "
+                f"{st.prompt_len} tokens; send one 0/1 per prompt token"
+            )
+        tensors["loss_mask"] = torch.tensor(st.options.loss_mask, dtype=torch.uint8)
+    return tensors

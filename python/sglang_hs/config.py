@@ -1,0 +1,91 @@
+"""Typed configuration of the export and its start-up checks (no SGLang imports)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import uuid
+from typing import Optional, Sequence, Tuple
+
+
+class ExportConfigError(ValueError):
+    """A start-up setting that cannot work; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+    out_dir: str
+    # Indices into Hugging Face `output_hidden_states` (0 = embeddings). None: the model's
+    # own EAGLE-3 default, resolved once the model is loaded.
+    aux_layer_ids: Optional[Tuple[int, ...]] = None
+    # Host memory for rows that are copied off the device but not yet on disk. When it is
+    # full the forward loop waits (back-pressure) instead of growing RAM.
+    host_buffer_bytes: int = 2 << 30
+    writer_threads: int = 2
+    # Seconds /generate waits for a sample to become durable before failing the request.
+    write_timeout_s: float = 600.0
+    # ZeroMQ address on which writers tell the HTTP process that a sample is durable.
+    notify_addr: str = ""
+
+    @staticmethod
+    def new_notify_addr() -> str:
+        return f"ipc://{tempfile.gettempdir()}/sglang-hs-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def check_out_dir(path: str) -> str:
+    """Create DIR if needed and prove we can write into it; return its absolute path."""
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ExportConfigError(
+            f"--export-hidden-states-dir {path}: cannot create or write there ({e.strerror}). "
+            "Pass a directory this user can write to, e.g. /dev/shm/hs."
+        ) from None
+    return path
+
+
+def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> Tuple[int, ...]:
+    """Validate aux layer ids in the HF convention for a model of `num_layers` layers.
+
+    Index k is the input of decoder layer k (the output of layer k-1). SGLang's capture
+    loop can record k in [1, num_layers - 1]: 0 (the embeddings) crashes upstream at
+    warm-up and num_layers (after the last layer) is silently never captured.
+    """
+    ids = tuple(int(i) for i in ids)
+    if not ids:
+        raise ExportConfigError("--export-aux-layer-ids: give at least one layer id.")
+    bad = [i for i in ids if not 1 <= i <= num_layers - 1]
+    if bad:
+        raise ExportConfigError(
+            f"--export-aux-layer-ids {list(ids)}: {bad} out of range. Ids are indices into "
+            f"Hugging Face output_hidden_states (0 = embeddings); this model has {num_layers} "
+            f"layers, so each id must be in [1, {num_layers - 1}]. The final state is always "
+            "exported separately (post-norm)."
+        )
+    if len(set(ids)) != len(ids) or list(ids) != sorted(ids):
+        raise ExportConfigError(
+            f"--export-aux-layer-ids {list(ids)}: ids must be strictly increasing and "
+            f"distinct, e.g. {sorted(set(ids))}."
+        )
+    return ids
+
+
+def default_aux_layer_ids(num_layers: int) -> Tuple[int, ...]:
+    """SGLang's EAGLE-3 default for Llama/Qwen/DeepSeek families, in the HF convention."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def is_writer_rank(attn_tp_rank: int, attn_cp_rank: int, is_last_pp_rank: bool) -> bool:
+    """One rank per data-parallel group copies and writes.
+
+    Tensor-parallel ranks of one attention group hold identical (all-reduced) hidden states
+    and the same batch, so rank 0 of the group writes for all of them. With DP attention each
+    group sees its own requests, so each group's rank 0 writes its own.
+    """
+    return attn_tp_rank == 0 and attn_cp_rank == 0 and is_last_pp_rank

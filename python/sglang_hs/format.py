@@ -1,0 +1,262 @@
+"""The on-disk export format: one safetensors file per sample, a manifest, and export.json.
+
+README.md ("File format") is the human description; `validate_export` is the executable one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import uuid
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT_VERSION = "sglang-hs/1"
+EXPORT_JSON = "export.json"
+MANIFEST = "manifest.jsonl"
+FILES_PER_SHARD = 10_000
+
+REQUIRED_KEYS = ("token_ids", "aux_hidden_states", "final_hidden_states")
+OPTIONAL_KEYS = ("loss_mask",)
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
+class SampleIdError(ValueError):
+    status_code = 400
+
+
+class DuplicateSampleError(ValueError):
+    status_code = 409
+
+
+def check_sample_id(rid: object) -> str:
+    """A sample id becomes a file name, so only a plain, bounded name is accepted."""
+    if not isinstance(rid, str) or not _SAFE_ID.fullmatch(rid) or rid.endswith(".tmp"):
+        raise SampleIdError(
+            f"rid {rid!r} cannot name an exported sample: use 1-200 characters from "
+            "A-Z a-z 0-9 . _ -, starting with a letter or digit (e.g. 'sample-000123')."
+        )
+    return rid
+
+
+def shard_dir_name(writer_tag: str, index: int) -> str:
+    return f"{writer_tag}-{index:05d}"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_sample_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Dict[str, str]) -> int:
+    """Write atomically and never over an existing sample: temp file, fsync, link, fsync dir.
+
+    Returns the file size. Raises DuplicateSampleError if `path` exists; on any error the
+    temporary file is removed and nothing is left under `path`.
+    """
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        save_file(dict(tensors), tmp, metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # atomic, and fails instead of overwriting
+        except FileExistsError:
+            raise DuplicateSampleError(
+                f"sample {os.path.basename(path)} already exists in {folder}; "
+                "send a new rid or remove the old file and its manifest line"
+            ) from None
+        except OSError:
+            # Filesystems without hard links: check, then rename (not race-free there).
+            if os.path.exists(path):
+                raise DuplicateSampleError(f"sample {path} already exists") from None
+            os.rename(tmp, path)
+        size = os.path.getsize(path)
+        _fsync_dir(folder)
+        return size
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def append_manifest(fd: int, sample_id: str, rel_path: str, num_tokens: int) -> None:
+    """One write() per line on an O_APPEND descriptor: lines from several writers never mix."""
+    line = json.dumps({"id": sample_id, "path": rel_path, "num_tokens": num_tokens}) + "\n"
+    os.write(fd, line.encode())
+    os.fsync(fd)
+
+
+def open_manifest(out_dir: str) -> int:
+    return os.open(os.path.join(out_dir, MANIFEST), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+
+def read_manifest(out_dir: str) -> List[dict]:
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                # A torn last line (crash mid-write) is not a sample; anything else is damage.
+                if f.read().strip():
+                    raise ValueError(f"{path}:{n}: not JSON") from None
+    return out
+
+
+def read_export_json(out_dir: str) -> Optional[dict]:
+    path = os.path.join(out_dir, EXPORT_JSON)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_export_json(out_dir: str, info: dict) -> None:
+    path = os.path.join(out_dir, EXPORT_JSON)
+    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# Keys of export.json that must match when a server appends to an existing directory.
+IDENTITY_KEYS = ("model_path", "aux_layer_ids", "hidden_size", "num_layers", "dtype")
+
+
+def check_compatible(existing: dict, new: Mapping[str, object]) -> None:
+    diff = {k: (existing.get(k), new[k]) for k in IDENTITY_KEYS if k in new and existing.get(k) != new[k]}
+    if diff:
+        detail = ", ".join(f"{k}: {a!r} there vs {b!r} now" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"the export directory already holds samples of another configuration ({detail}). "
+            "Use a new --export-hidden-states-dir or the same model and layers."
+        )
+
+
+def load_sample(path: str) -> Dict[str, torch.Tensor]:
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def sample_metadata(path: str) -> Dict[str, str]:
+    with safe_open(path, framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def iter_samples(out_dir: str) -> Iterator[tuple]:
+    for entry in read_manifest(out_dir):
+        yield entry, os.path.join(out_dir, entry["path"])
+
+
+@dataclasses.dataclass
+class ValidationReport:
+    samples: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    errors: List[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def validate_export(
+    out_dir: str,
+    expected_tokens: Optional[Mapping[str, Sequence[int]]] = None,
+    check_values: bool = True,
+) -> ValidationReport:
+    """Check an export directory against the format: export.json, manifest, and every file's
+    keys, dtypes, shapes, metadata, finite values, and (if given) token ids."""
+    rep = ValidationReport()
+    info = read_export_json(out_dir)
+    if info is None:
+        rep.errors.append(f"{out_dir}: no {EXPORT_JSON}")
+        return rep
+    for key in ("model_path", "architecture", "hidden_size", "num_layers", "dtype", "aux_layer_ids",
+                "final_is_post_norm", "format"):
+        if key not in info:
+            rep.errors.append(f"{EXPORT_JSON}: missing '{key}'")
+    if rep.errors:
+        return rep
+    hidden, k_aux = info["hidden_size"], len(info["aux_layer_ids"])
+    dtype = _DTYPES.get(info["dtype"])
+    seen = set()
+    for entry, path in iter_samples(out_dir):
+        sid = entry.get("id")
+        where = f"sample {sid!r}"
+        if sid in seen:
+            rep.errors.append(f"{where}: listed twice in {MANIFEST}")
+            continue
+        seen.add(sid)
+        if not os.path.exists(path):
+            rep.errors.append(f"{where}: {entry.get('path')} is in the manifest but missing")
+            continue
+        rep.samples += 1
+        rep.bytes += os.path.getsize(path)
+        try:
+            t = load_sample(path)
+            meta = sample_metadata(path)
+        except Exception as e:  # a damaged file is a finding, not a crash of the validator
+            rep.errors.append(f"{where}: unreadable ({e})")
+            continue
+        missing = [k for k in REQUIRED_KEYS if k not in t]
+        extra = [k for k in t if k not in REQUIRED_KEYS + OPTIONAL_KEYS]
+        if missing or extra:
+            rep.errors.append(f"{where}: missing keys {missing}, unexpected keys {extra}")
+            continue
+        tok, aux, fin = t["token_ids"], t["aux_hidden_states"], t["final_hidden_states"]
+        n = tok.shape[0] if tok.dim() == 1 else -1
+        rep.tokens += max(n, 0)
+        checks = [
+            (tok.dim() == 1 and not tok.is_floating_point(), f"token_ids {tuple(tok.shape)} {tok.dtype}"),
+            (tuple(aux.shape) == (n, k_aux, hidden), f"aux_hidden_states {tuple(aux.shape)} != {(n, k_aux, hidden)}"),
+            (tuple(fin.shape) == (n, hidden), f"final_hidden_states {tuple(fin.shape)} != {(n, hidden)}"),
+            (dtype is None or (aux.dtype == dtype and fin.dtype == dtype), f"dtype {aux.dtype}/{fin.dtype} != {info['dtype']}"),
+            (entry.get("num_tokens") == n, f"manifest num_tokens {entry.get('num_tokens')} != {n}"),
+            (meta.get("id") == sid, f"metadata id {meta.get('id')!r}"),
+            (meta.get("aux_layer_ids") == json.dumps(info["aux_layer_ids"]), f"metadata aux_layer_ids {meta.get('aux_layer_ids')}"),
+        ]
+        if "loss_mask" in t:
+            lm = t["loss_mask"]
+            checks.append((lm.dtype == torch.uint8 and tuple(lm.shape) == (n,) and bool(((lm == 0) | (lm == 1)).all()),
+                           f"loss_mask {tuple(lm.shape)} {lm.dtype} must be [T] uint8 of 0/1"))
+        if expected_tokens is not None and sid in expected_tokens:
+            checks.append((tok.tolist() == list(expected_tokens[sid]), "token_ids differ from the client's tokens"))
+        if check_values:
+            checks.append((bool(torch.isfinite(aux).all() and torch.isfinite(fin).all()), "NaN or Inf in hidden states"))
+        rep.errors += [f"{where}: {msg}" for ok, msg in checks if not ok]
+    if expected_tokens is not None:
+        rep.errors += [f"sample {sid!r}: expected but not exported" for sid in expected_tokens if sid not in seen]
+    return rep
+
+
+def human_bytes(n: float) -> str:
+    if n <= 0:
+        return "0 B"
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    i = min(int(math.log(n, 1024)), len(units) - 1)
+    return f"{n / 1024 ** i:.1f} {units[i]}"

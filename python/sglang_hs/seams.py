@@ -1,0 +1,414 @@
+"""Every place sglang-hs touches SGLang internals (pinned: sglang==0.5.17).
+
+One function per upstream target. Each docstring says: the target, why we hook it, what an
+upstream PR would do instead, and when to remove the seam. FORK_NOTES.md is the same ledger
+for readers; test/unit/test_seams.py resolves every target in the installed SGLang and proves
+each hook is applied (HookRegistry only logs a hook that fails to apply).
+
+`register()` is the plugin entry point (group `sglang.srt.plugins`): SGLang calls it in every
+process (launcher, HTTP/tokenizer process, each scheduler) before it builds anything.
+The hooks are pass-throughs unless `--export-hidden-states-dir` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+from typing import Callable, List, NamedTuple, Optional
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sglang_hs import __version__
+from sglang_hs.capture import RequestOptionsError, parse_request_options
+from sglang_hs.config import (
+    ExportConfig,
+    ExportConfigError,
+    check_aux_layer_ids,
+    check_out_dir,
+    is_writer_rank,
+)
+from sglang_hs.format import (
+    FORMAT_VERSION,
+    DuplicateSampleError,
+    check_compatible,
+    check_sample_id,
+    read_export_json,
+    write_export_json,
+)
+
+logger = logging.getLogger("sglang_hs")
+
+# The resolved config travels to every SGLang process through the environment: scheduler
+# and detokenizer processes inherit it, whatever way ServerArgs reaches them.
+ENV_CONFIG = "SGLANG_HS_EXPORT_CONFIG"
+
+
+class Seam(NamedTuple):
+    target: str
+    hook_type: HookType
+    fn: Callable
+
+
+SEAMS: List[Seam] = []
+APPLIED: List[str] = []  # targets whose hook actually ran at least once (for tests and logs)
+
+
+def seam(target: str, hook_type: HookType):
+    def deco(fn):
+        SEAMS.append(Seam(target, hook_type, fn))
+        return fn
+
+    return deco
+
+
+def register() -> None:
+    """Plugin entry point: register every seam with SGLang's HookRegistry."""
+    for s in SEAMS:
+        HookRegistry.register(s.target, s.fn, s.hook_type)
+
+
+def config() -> Optional[ExportConfig]:
+    raw = os.environ.get(ENV_CONFIG)
+    if not raw:
+        return None
+    d = json.loads(raw)
+    if d.get("aux_layer_ids") is not None:
+        d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
+    return ExportConfig(**d)
+
+
+# --------------------------------------------------------------------------------------
+# Command line and start-up checks (launcher process)
+# --------------------------------------------------------------------------------------
+
+
+@seam("sglang.srt.server_args.ServerArgs.add_cli_args", HookType.AFTER)
+def add_cli_args(result, parser):
+    """Target: ServerArgs.add_cli_args (staticmethod building the launcher's argparse parser).
+
+    Why: our flags must appear in `python -m sglang.launch_server --help` and parse with the
+    stock launcher. Upstream PR: a plugin hook for extra CLI argument groups (or the flags
+    as ServerArgs fields). Remove when upstream has either.
+    """
+    g = parser.add_argument_group("sglang-hs hidden-state export")
+    g.add_argument("--export-hidden-states-dir", type=str, default=None, metavar="DIR",
+                   help="Write the EAGLE-3 aux hidden states and the post-norm final hidden state "
+                        "of every prompt token of every generation request to DIR (one safetensors "
+                        "file per request; see the sglang-hs README).")
+    g.add_argument("--export-aux-layer-ids", type=int, nargs="+", default=None, metavar="K",
+                   help="Aux layers as indices into Hugging Face output_hidden_states "
+                        "(0 = embeddings; k = input of decoder layer k). Default: the model's "
+                        "EAGLE-3 default, [2, L//2, L-3] for Llama/Qwen/DeepSeek.")
+    g.add_argument("--export-host-buffer-gib", type=float, default=2.0, metavar="GIB",
+                   help="Host memory for exported rows not yet on disk; when full, the forward "
+                        "loop waits for the writer (default 2).")
+    g.add_argument("--export-writer-threads", type=int, default=2, metavar="N",
+                   help="Background threads writing sample files (default 2).")
+    g.add_argument("--export-write-timeout", type=float, default=600.0, metavar="S",
+                   help="Seconds /generate waits for its sample to be durable (default 600).")
+
+
+@seam("sglang.srt.server_args.ServerArgs.from_cli_args", HookType.AROUND)
+def from_cli_args(original, cls, args):
+    """Target: ServerArgs.from_cli_args (classmethod, argparse Namespace -> ServerArgs).
+
+    Why: the one place where our parsed flags and the resolved ServerArgs meet, before any
+    process is spawned or weights are read, so bad settings fail in a second with a clear
+    message. Upstream PR: ServerArgs fields plus a validation hook. Remove with that PR.
+    """
+    server_args = original(cls, args)
+    out_dir = getattr(args, "export_hidden_states_dir", None)
+    if out_dir is None:
+        os.environ.pop(ENV_CONFIG, None)
+        return server_args
+    try:
+        cfg = _check_startup(server_args, args)
+    except ExportConfigError as e:
+        raise SystemExit(f"sglang-hs: error: {e}") from None
+    os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(cfg))
+    logger.info("sglang-hs: exporting hidden states to %s (aux layers %s)", cfg.out_dir,
+                list(cfg.aux_layer_ids) if cfg.aux_layer_ids else "model default")
+    return server_args
+
+
+def _check_startup(server_args, args) -> ExportConfig:
+    if server_args.pp_size > 1:
+        raise ExportConfigError("--export-hidden-states-dir with --pp-size > 1 is not supported yet.")
+    if server_args.speculative_algorithm is not None:
+        raise ExportConfigError("--export-hidden-states-dir cannot be combined with speculative "
+                                "decoding yet; export with a plain target server.")
+    if server_args.tokenizer_worker_num > 1:
+        raise ExportConfigError("--export-hidden-states-dir needs --tokenizer-worker-num 1.")
+    out_dir = check_out_dir(args.export_hidden_states_dir)
+    ids = None
+    if args.export_aux_layer_ids is not None:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
+        ids = check_aux_layer_ids(args.export_aux_layer_ids, mc.num_hidden_layers)
+    existing = read_export_json(out_dir)
+    if existing is not None:
+        new = {"model_path": server_args.model_path}
+        if ids is not None:
+            new["aux_layer_ids"] = list(ids)
+        try:
+            check_compatible(existing, new)
+        except ValueError as e:
+            raise ExportConfigError(f"{out_dir}: {e}") from None
+    if args.export_host_buffer_gib <= 0 or args.export_writer_threads < 1:
+        raise ExportConfigError("--export-host-buffer-gib must be > 0 and --export-writer-threads >= 1.")
+    return ExportConfig(
+        out_dir=out_dir,
+        aux_layer_ids=ids,
+        host_buffer_bytes=int(args.export_host_buffer_gib * (1 << 30)),
+        writer_threads=args.export_writer_threads,
+        write_timeout_s=args.export_write_timeout,
+        notify_addr=ExportConfig.new_notify_addr(),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Scheduler processes: capture
+# --------------------------------------------------------------------------------------
+
+_runtime = None  # sglang_hs.runtime.ExportRuntime in a scheduler process with export on
+
+
+@seam("sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends", HookType.AFTER)
+def init_attention_backends(result, self):
+    """Target: ModelRunner.init_attention_backends (runs after weights load and before any
+    CUDA graph capture).
+
+    Why: turn on the model's EAGLE-3 aux capture with no draft model, and build the writer
+    on the one rank per data-parallel group that writes. Graphs captured afterwards then
+    carry the aux outputs. Upstream PR: a "capture aux hidden states" server option that
+    calls set_eagle3_layers_to_capture without a draft model. Remove with it.
+    """
+    global _runtime
+    cfg = config()
+    if cfg is None or self.is_draft_worker:
+        return
+    from sglang_hs.runtime import ExportRuntime
+
+    model = self.model
+    inner = getattr(model, "model", None)
+    arch = type(model).__name__
+    if not hasattr(model, "set_eagle3_layers_to_capture") or not hasattr(inner, "layers_to_capture"):
+        raise RuntimeError(f"sglang-hs: {arch} has no EAGLE-3 aux capture in SGLang; cannot export it")
+    num_layers = self.model_config.num_hidden_layers
+    # Upstream's own default (explicit ids are shifted per family: Llama adds 1 to every id,
+    # DeepseekV2 only when the first id is 1). Its loop index i records the input of decoder
+    # layer i, which is Hugging Face output_hidden_states[i], so we set that index directly.
+    model.set_eagle3_layers_to_capture(None)
+    try:
+        ids = check_aux_layer_ids(cfg.aux_layer_ids or inner.layers_to_capture, num_layers)
+    except ExportConfigError as e:
+        raise ExportConfigError(f"{e} (the model's default is {list(inner.layers_to_capture)}; "
+                                "pass --export-aux-layer-ids)") from None
+    inner.layers_to_capture = list(ids)
+    ps = self.ps
+    writer = None
+    if is_writer_rank(ps.attn_tp_rank, ps.attn_cp_rank, ps.pp_rank == ps.pp_size - 1):
+        writer = _make_writer(cfg, self, arch, num_layers, ids)
+    _runtime = ExportRuntime(ids, writer)
+    APPLIED.append("init_attention_backends")
+    logger.info("sglang-hs: aux capture on %s layers %s (HF convention), writer rank: %s",
+                arch, list(ids), writer is not None)
+
+
+def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
+    import sglang
+
+    from sglang_hs.notify import Notifier
+    from sglang_hs.writer import HostBudget, SampleWriter
+
+    sa = runner.server_args
+    info = {
+        "format": FORMAT_VERSION,
+        "model_path": sa.model_path,
+        "architecture": arch,
+        "hidden_size": runner.model_config.hidden_size,
+        "num_layers": num_layers,
+        "dtype": str(runner.dtype).replace("torch.", ""),
+        "aux_layer_ids": list(ids),
+        "layer_id_convention": "hf_output_hidden_states",
+        "final_is_post_norm": True,
+        "attention_backend": sa.attention_backend,
+        "device": sa.device,
+        "tp_size": sa.tp_size,
+        "dp_size": sa.dp_size,
+        "sglang_version": sglang.__version__,
+        "sglang_hs_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    existing = read_export_json(cfg.out_dir)
+    if existing is None:
+        write_export_json(cfg.out_dir, info)
+    else:
+        check_compatible(existing, info)
+    dp = runner.ps.attn_dp_rank if sa.enable_dp_attention else (runner.ps.dp_rank or 0)
+    return SampleWriter(cfg.out_dir, f"dp{dp}", ids, HostBudget(cfg.host_buffer_bytes),
+                        Notifier(cfg.notify_addr), threads=cfg.writer_threads)
+
+
+def _state_of(req):
+    """The request's export state, created on first sight and cached on the Req object."""
+    st = req.__dict__.get("_sglang_hs", False)
+    if st is False:
+        from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        def aborted(req=req):
+            return isinstance(req.finished_reason, FINISH_ABORT) or isinstance(req.to_finish, FINISH_ABORT)
+
+        if str(req.rid).startswith(HEALTH_CHECK_RID_PREFIX):
+            st = None
+        else:
+            st = _runtime.new_state(req.rid, req.origin_input_ids, req.sampling_params.custom_params, aborted)
+        req._sglang_hs = st
+    return st
+
+
+@seam("sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len", HookType.AFTER)
+def compute_max_prefix_len(result, self, input_len):
+    """Target: Req._compute_max_prefix_len (cap on how many prompt tokens may come from the
+    prefix cache).
+
+    Why: cached tokens never pass through the forward, so their hidden states would be
+    missing. An exported request may reuse only what it has exported itself (nothing at
+    first: a full recompute); other requests keep the cache. Upstream PR: a per-request
+    "no prefix reuse" flag. Remove with it.
+    """
+    if _runtime is None:
+        return None
+    st = _state_of(self)
+    return None if st is None else st.prefix_cap(result)
+
+
+@seam("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", HookType.AROUND)
+def forward_batch_generation(original, self, batch=None, *args, **kwargs):
+    """Target: TpModelWorker.forward_batch_generation (one forward of a ScheduleBatch).
+
+    Why: the only place where the batch's requests (rid, prompt, prefix and extend lengths)
+    and the forward that computes their rows meet. Upstream PR: a forward-output callback
+    carrying per-request row spans. Remove with it.
+    """
+    rt = _runtime
+    if rt is None or batch is None or not batch.forward_mode.is_extend():
+        return original(self, batch, *args, **kwargs)
+    states = [_state_of(r) for r in batch.reqs]
+    if not rt.begin_forward(states, batch.prefix_lens, batch.extend_lens):
+        return original(self, batch, *args, **kwargs)
+    try:
+        out = original(self, batch, *args, **kwargs)
+    except BaseException:
+        rt.abort_forward()
+        raise
+    rt.end_forward()
+    return out
+
+
+@seam("sglang.srt.layers.logits_processor.LogitsProcessor.forward", HookType.AROUND)
+def logits_forward(original, self, input_ids, hidden_states, lm_head, logits_metadata,
+                   aux_hidden_states=None, *args, **kwargs):
+    """Target: LogitsProcessor.forward (receives every row's post-norm final hidden state and
+    the model's aux hidden states, before it prunes them to the last token).
+
+    Why: the final state is post-norm here for every token, and the aux states arrive in
+    the same call. Upstream PR: return full-sequence (aux, final) states from the model
+    forward when asked. Remove with it.
+    """
+    rt = _runtime
+    if rt is not None:
+        rt.capture(hidden_states, aux_hidden_states)
+    return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
+                    *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
+# HTTP process: request checks and "durable before 200"
+# --------------------------------------------------------------------------------------
+
+_waiter = None
+
+
+def _http_waiter(cfg: ExportConfig):
+    global _waiter
+    if _waiter is None:
+        from sglang_hs.notify import ExportWaiter
+
+        _waiter = ExportWaiter(cfg.notify_addr, cfg.out_dir, cfg.write_timeout_s)
+    return _waiter
+
+
+def _as_list(x, n):
+    return list(x) if isinstance(x, list) else [x] * n
+
+
+@seam("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request", HookType.AROUND)
+async def generate_request(original, self, obj, request=None):
+    """Target: TokenizerManager.generate_request (async generator behind /generate and the
+    OpenAI endpoints).
+
+    Why: reject unsafe or already-exported rids and bad export options with HTTP 400/409
+    before any work, and hold the final response until the sample is durable, adding
+    meta_info["hidden_states_export"]. Upstream PR: request-validation and response hooks for
+    plugins. Remove with them.
+    """
+    cfg = config()
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    if cfg is None or not isinstance(obj, GenerateReqInput):
+        async for out in original(self, obj, request):
+            yield out
+        return
+    waiter = _http_waiter(cfg)
+    exported = _check_request(obj, waiter)
+    async for out in original(self, obj, request):
+        for item in out if isinstance(out, list) else [out]:
+            mi = item.get("meta_info", {}) if isinstance(item, dict) else {}
+            rid, fin = mi.get("id"), mi.get("finish_reason")
+            if fin is None or rid is None or not exported(rid):
+                continue
+            if isinstance(fin, dict) and fin.get("type") == "abort":
+                waiter.forget(rid)
+                continue
+            info = waiter.meta_info(await waiter.wait(rid), cfg.out_dir)
+            if info is not None:
+                mi["hidden_states_export"] = info
+        yield out
+
+
+def _check_request(obj, waiter) -> Callable[[str], bool]:
+    """Validate rids and options; return which (final) rids are exported."""
+    n = 1 if not isinstance(obj.rid, list) else len(obj.rid)
+    if isinstance(obj.sampling_params, list):
+        n = max(n, len(obj.sampling_params))
+    rids = _as_list(obj.rid, n)
+    params = _as_list(obj.sampling_params or {}, n)
+    opted_out = set()
+    # Each error is a ValueError with a status_code: /generate answers with it and the message.
+    if obj.input_embeds is not None:
+        raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
+    for i, (rid, sp) in enumerate(zip(rids, params)):
+        opts = parse_request_options((sp or {}).get("custom_params"))
+        if not opts.export:
+            opted_out.add(i)
+            continue
+        if rid is not None:
+            check_sample_id(rid)
+            if rid in waiter.exported:
+                raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
+                                           "(exported samples are never overwritten)")
+    if not opted_out:
+        return lambda rid: True
+    # Opted-out entries are known by position; SGLang fills missing rids in place.
+    return lambda rid: not any(_as_list(obj.rid, n)[i] == rid for i in opted_out)
+
+
+def seam_targets() -> List[str]:
+    return [s.target for s in SEAMS]
+

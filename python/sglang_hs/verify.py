@@ -1,0 +1,130 @@
+"""Recompute exported samples with Hugging Face transformers, independently of SGLang.
+
+For each plane (every aux layer and the final state) we report the error of the exported
+rows against an fp32 HF forward, and HF's own bf16 forward against the same fp32 reference:
+an export is as exact as the runtime can be when its error is of the order of HF bf16's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Dict, List, Optional
+
+import torch
+
+from sglang_hs.format import iter_samples, load_sample, read_export_json, validate_export
+
+# Pass when the export's error vs fp32 is at most this multiple of HF bf16's own error...
+MAX_ERROR_RATIO = 2.0
+# ...and the mean per-token cosine similarity vs fp32 is at least this.
+MIN_MEAN_COSINE = 0.999
+
+
+@dataclasses.dataclass
+class PlaneStats:
+    name: str
+    rel_err: float  # ||export - fp32|| / ||fp32|| over all rows
+    rel_err_hf_bf16: float  # the same for HF's own bf16 forward
+    mean_cos: float
+    min_cos: float
+    max_abs: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err <= MAX_ERROR_RATIO * self.rel_err_hf_bf16 + 1e-6 and self.mean_cos >= MIN_MEAN_COSINE
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    samples: int
+    tokens: int
+    planes: List[PlaneStats]
+    format_errors: List[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.format_errors and all(p.ok for p in self.planes)
+
+    @property
+    def worst_ratio(self) -> float:
+        return max((p.rel_err / max(p.rel_err_hf_bf16, 1e-12) for p in self.planes), default=0.0)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ok"], d["worst_ratio"] = self.ok, self.worst_ratio
+        return d
+
+    def table(self) -> str:
+        lines = [f"{'plane':>10} {'err vs fp32':>12} {'HF bf16 err':>12} {'ratio':>6} {'mean cos':>9} "
+                 f"{'min cos':>8} {'max |d|':>8}  ok"]
+        for p in self.planes:
+            lines.append(f"{p.name:>10} {p.rel_err:12.3e} {p.rel_err_hf_bf16:12.3e} "
+                         f"{p.rel_err / max(p.rel_err_hf_bf16, 1e-12):6.2f} {p.mean_cos:9.6f} "
+                         f"{p.min_cos:8.5f} {p.max_abs:8.4f}  {'yes' if p.ok else 'NO'}")
+        return "\n".join(lines)
+
+
+def hf_planes(model, token_ids: torch.Tensor, layer_ids: List[int]) -> torch.Tensor:
+    """[T, K+1, H] float32: HF output_hidden_states[k] for each aux k, then the post-norm final."""
+    with torch.no_grad():
+        out = model.model(input_ids=token_ids[None].to(model.device), output_hidden_states=True)
+    planes = [out.hidden_states[k][0] for k in layer_ids] + [out.last_hidden_state[0]]
+    return torch.stack(planes, dim=1).float().cpu()
+
+
+def load_hf(model_path: str, dtype: torch.dtype, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    return model.eval()
+
+
+def _accumulate(acc: Dict[str, list], name: str, got: torch.Tensor, ref: torch.Tensor, hf16: torch.Tensor):
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    a = acc.setdefault(name, [0.0, 0.0, 0.0, [], 0.0])
+    a[0] += float((got - ref).pow(2).sum())
+    a[1] += float((hf16 - ref).pow(2).sum())
+    a[2] += float(ref.pow(2).sum())
+    a[3].append(cos)
+    a[4] = max(a[4], float((got - ref).abs().max()))
+
+
+def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optional[int] = 8,
+                  device: str = "cpu") -> VerifyReport:
+    info = read_export_json(out_dir)
+    fmt = validate_export(out_dir)
+    if info is None:
+        return VerifyReport(0, 0, [], fmt.errors)
+    model_path = model_path or info["model_path"]
+    ids = list(info["aux_layer_ids"])
+    names = [f"aux[{k}]" for k in ids] + ["final"]
+    ref_model = load_hf(model_path, torch.float32, device)
+    bf16_model = load_hf(model_path, torch.bfloat16, device)
+    acc: Dict[str, list] = {}
+    n = tokens = 0
+    for entry, path in iter_samples(out_dir):
+        if samples is not None and n >= samples:
+            break
+        t = load_sample(path)
+        tok = t["token_ids"]
+        got = torch.cat([t["aux_hidden_states"], t["final_hidden_states"][:, None]], dim=1).float()
+        ref = hf_planes(ref_model, tok, ids)
+        hf16 = hf_planes(bf16_model, tok, ids)
+        for j, name in enumerate(names):
+            _accumulate(acc, name, got[:, j], ref[:, j], hf16[:, j])
+        n += 1
+        tokens += tok.numel()
+    planes = []
+    for name in names:
+        if name not in acc:
+            continue
+        se, se16, ss, cos, mx = acc[name]
+        cos = torch.cat(cos)
+        planes.append(PlaneStats(name, (se / ss) ** 0.5, (se16 / ss) ** 0.5, float(cos.mean()),
+                                 float(cos.min()), mx))
+    return VerifyReport(n, tokens, planes, fmt.errors)
+
+
+def main_json(report: VerifyReport) -> str:
+    return json.dumps(report.to_dict(), indent=2)

@@ -1,0 +1,218 @@
+"""Background sample writer: bounded host memory, atomic files, durable manifest."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import json
+from typing import Callable, Dict, Optional, Sequence
+
+from sglang_hs.capture import ReqExport, RequestOptionsError, build_sample
+from sglang_hs.format import (
+    FILES_PER_SHARD,
+    FORMAT_VERSION,
+    DuplicateSampleError,
+    append_manifest,
+    open_manifest,
+    read_manifest,
+    shard_dir_name,
+    write_sample_file,
+)
+
+logger = logging.getLogger("sglang_hs.writer")
+
+Notify = Callable[[dict], None]
+
+
+class HostBudget:
+    """Bytes of exported rows held in host memory, from device copy until on disk.
+
+    `reserve` blocks the forward loop while the budget is full and the writer has queued work
+    that will free it. Rows of prompts still being chunk-prefilled cannot be written yet, so
+    if they alone fill the budget we let the forward go on rather than deadlock: the excess is
+    bounded by the in-progress chunked prompts (one per scheduler in SGLang).
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self.queued = 0
+        self.peak = 0
+        self.waited_s = 0.0
+        self._cv = threading.Condition()
+
+    def reserve(self, n: int) -> None:
+        with self._cv:
+            t0 = None
+            while self.held + n > self.limit and self.queued > 0:
+                t0 = t0 or time.perf_counter()
+                self._cv.wait(timeout=1.0)
+            if t0:
+                self.waited_s += time.perf_counter() - t0
+            self.held += n
+            self.peak = max(self.peak, self.held)
+
+    def enqueue(self, n: int) -> None:
+        with self._cv:
+            self.queued += n
+
+    def release(self, n: int, queued: bool) -> None:
+        with self._cv:
+            self.held -= n
+            if queued:
+                self.queued -= n
+            self._cv.notify_all()
+
+
+class SampleWriter:
+    def __init__(
+        self,
+        out_dir: str,
+        writer_tag: str,
+        aux_layer_ids: Sequence[int],
+        budget: HostBudget,
+        notify: Notify,
+        threads: int = 2,
+        wait_ready: Optional[Callable[[ReqExport], None]] = None,
+    ):
+        self.out_dir = out_dir
+        self.tag = writer_tag
+        self.aux_layer_ids = list(aux_layer_ids)
+        self.budget = budget
+        self.notify = notify
+        # GPU staging: called in the writer thread before rows are read (waits on a copy event).
+        self.wait_ready = wait_ready
+        self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
+        self._lock = threading.Lock()
+        self._ids = {e["id"] for e in read_manifest(out_dir)}
+        self._shard, self._in_shard = self._find_shard()
+        self._manifest_fd = open_manifest(out_dir)
+        self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"sglang-hs-writer-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _find_shard(self):
+        pat = re.compile(re.escape(self.tag) + r"-(\d{5})")
+        idx = max((int(m.group(1)) for d in os.listdir(self.out_dir) if (m := pat.fullmatch(d))), default=0)
+        d = os.path.join(self.out_dir, shard_dir_name(self.tag, idx))
+        n = len([f for f in os.listdir(d) if f.endswith(".safetensors")]) if os.path.isdir(d) else 0
+        return idx, n
+
+    def _claim_path(self, sid: str) -> str:
+        with self._lock:
+            if sid in self._ids:
+                raise DuplicateSampleError(
+                    f"sample id {sid!r} is already exported in {self.out_dir}; send a new rid"
+                )
+            if self._in_shard >= FILES_PER_SHARD:
+                self._shard, self._in_shard = self._shard + 1, 0
+            self._ids.add(sid)
+            self._in_shard += 1
+            rel = os.path.join(shard_dir_name(self.tag, self._shard), f"{sid}.safetensors")
+        os.makedirs(os.path.join(self.out_dir, os.path.dirname(rel)), exist_ok=True)
+        return rel
+
+    def _unclaim(self, sid: str) -> None:
+        with self._lock:
+            self._ids.discard(sid)
+            self._in_shard -= 1
+
+    def submit(self, st: ReqExport, aborted: Callable[[], bool]) -> None:
+        self.budget.enqueue(st.reserved)
+        self._q.put((st, aborted))
+
+    def drop(self, st: ReqExport) -> None:
+        """Forget a request's rows (aborted or failed mid-prefill); nothing is written."""
+        self.budget.release(st.reserved, queued=False)
+        st.chunks.clear()
+        st.rows_held = st.reserved = 0
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            st, aborted = job
+            try:
+                self._write(st, aborted)
+            except Exception:  # never let one sample kill the writer thread
+                logger.exception("sglang-hs: writing sample %s failed", st.rid)
+            finally:
+                st.chunks.clear()
+                self.budget.release(st.reserved, queued=True)
+                st.reserved = 0
+                self._q.task_done()
+
+    def _write(self, st: ReqExport, aborted: Callable[[], bool]) -> None:
+        msg = {"rid": st.rid, "ok": False}
+        t0 = time.perf_counter()
+        try:
+            if self.wait_ready is not None:
+                self.wait_ready(st)
+            if aborted():
+                msg["aborted"] = True
+                self.notify(msg)
+                return
+            k = len(self.aux_layer_ids)
+            tensors = {name: t.contiguous() for name, t in build_sample(st, k).items()}
+            meta = {
+                "format": FORMAT_VERSION,
+                "id": st.rid,
+                "aux_layer_ids": json.dumps(self.aux_layer_ids),
+                "metadata": json.dumps(st.options.metadata or {}),
+            }
+            rel = self._claim_path(st.rid)
+            try:
+                size = write_sample_file(os.path.join(self.out_dir, rel), tensors, meta)
+                append_manifest(self._manifest_fd, st.rid, rel, st.prompt_len)
+            except BaseException:
+                self._unclaim(st.rid)
+                raise
+        except (DuplicateSampleError, RequestOptionsError) as e:
+            msg.update(error=str(e), status=getattr(e, "status_code", 400))
+        except OSError as e:
+            status = 507 if e.errno in (errno.ENOSPC, errno.EDQUOT) else 500
+            msg.update(
+                error=f"could not write sample {st.rid} to {self.out_dir}: {e.strerror or e} "
+                "(the server keeps serving; free space or fix permissions and resend)",
+                status=status,
+            )
+        else:
+            msg.update(ok=True, path=rel, num_tokens=st.prompt_len, bytes=size)
+            with self._lock:
+                self.stats["samples"] += 1
+                self.stats["tokens"] += st.prompt_len
+                self.stats["bytes"] += size
+                self.stats["write_s"] += time.perf_counter() - t0
+        if not msg["ok"]:
+            with self._lock:
+                self.stats["failed"] += 1
+            logger.error("sglang-hs: sample %s not exported: %s", st.rid, msg.get("error"))
+        self.notify(msg)
+
+    def fail(self, st: ReqExport, error: str, status: int = 500) -> None:
+        """Report a sample that cannot be exported (the rows were never complete)."""
+        logger.error("sglang-hs: sample %s not exported: %s", st.rid, error)
+        with self._lock:
+            self.stats["failed"] += 1
+        self.notify({"rid": st.rid, "ok": False, "error": error, "status": status})
+
+    def flush(self) -> None:
+        self._q.join()
+
+    def close(self) -> None:
+        self.flush()
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join()
+        os.close(self._manifest_fd)
