@@ -1,0 +1,20 @@
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = os.path.join(REPO, ".cache", "models")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from sglang_hs import models
+
+    return models.smollm2(os.path.join(MODELS, "smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def tiny_path(smollm2_path):
+    from sglang_hs import models
+
+    return models.tiny_llama(os.path.join(MODELS, "tiny-llama-8l"), smollm2_path)

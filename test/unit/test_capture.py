@@ -1,0 +1,136 @@
+import pytest
+import torch
+
+from sglang_hs.capture import (
+    ReqExport,
+    RequestOptions,
+    RequestOptionsError,
+    build_sample,
+    gather_rows,
+    parse_request_options,
+    plan_forward,
+    split_rows,
+)
+
+H, K = 4, 2
+
+
+def state(rid, n):
+    return ReqExport(rid=rid, prompt_ids=list(range(100, 100 + n)), options=RequestOptions())
+
+
+def forward_rows(positions_per_req):
+    """Rows of a fake forward: row value encodes (request, prompt position, plane)."""
+    rows = []
+    for r, positions in enumerate(positions_per_req):
+        for p in positions:
+            rows.append(torch.tensor([[r * 1000 + p + 0.1 * k] * H for k in range(K + 1)]))
+    return torch.stack(rows) if rows else torch.zeros(0, K + 1, H)
+
+
+def run(states, prefix, extend):
+    """One forward: plan, make rows for every extend token, capture the planned ones."""
+    rows, segs, failed = plan_forward(states, prefix, extend)
+    positions = [list(range(p, p + e)) for p, e in zip(prefix, extend)]
+    all_rows = forward_rows(positions)
+    host = all_rows[torch.tensor(rows, dtype=torch.long)] if rows else all_rows
+    done = split_rows(host, segs) if segs else []
+    return done, failed
+
+
+def positions_of(st, r):
+    rows = torch.cat(st.chunks)
+    return (rows[:, 0, 0] - r * 1000).round().long().tolist()
+
+
+def test_batch_of_requests_rows_go_to_their_request():
+    a, b = state("a", 3), state("b", 5)
+    done, _ = run([a, None, b], [0, 7, 0], [3, 2, 5])  # a request that is not exported sits between
+    assert [s.rid for s in done] == ["a", "b"]
+    assert positions_of(a, 0) == [0, 1, 2]
+    assert positions_of(b, 2) == [0, 1, 2, 3, 4]
+
+
+def test_chunked_prefill_stitches_in_order():
+    a = state("a", 10)
+    assert run([a], [0], [4])[0] == []
+    assert a.next_pos == 4
+    assert run([a], [4], [4])[0] == []
+    done, _ = run([a], [8], [2])
+    assert done == [a] and positions_of(a, 0) == list(range(10))
+
+
+def test_decode_and_output_tokens_are_not_exported():
+    a = state("a", 3)
+    run([a], [0], [3])
+    a.done = True  # handed to the writer
+    rows, segs, _ = plan_forward([a], [3], [1])  # mixed-chunk decode row
+    assert rows == [] and segs == []
+
+
+def test_retracted_request_prefilled_again_adds_no_rows():
+    a = state("a", 6)
+    done, _ = run([a], [0], [6])
+    assert done == [a]
+    a.done = True
+    # After retraction SGLang prefills prompt + output again from position 0.
+    rows, segs, _ = plan_forward([a], [0], [8])
+    assert rows == [] and segs == []
+
+
+def test_restart_mid_prompt_replaces_overlap_instead_of_duplicating():
+    a = state("a", 8)
+    run([a], [0], [5])
+    done, _ = run([a], [3], [5])  # recompute from position 3 (prefix shorter than held rows)
+    assert done == [a] and positions_of(a, 0) == list(range(8))
+
+
+def test_prefix_beyond_exported_rows_fails_instead_of_leaving_a_hole():
+    a = state("a", 8)
+    run([a], [0], [2])
+    _, failed = run([a], [5], [3])
+    assert failed == [a] and a.done and "never computed" in a.error
+
+
+def test_prefix_cap_forces_full_recompute_then_own_chunks():
+    a = state("a", 10)
+    assert a.prefix_cap(9) == 0  # nothing exported yet: recompute everything
+    run([a], [0], [4])
+    assert a.prefix_cap(9) == 4  # its own first chunk, never someone else's longer prefix
+    run([a], [4], [6])
+    a.done = True
+    assert a.prefix_cap(9) == 9  # finished: the cache is free to use again
+
+
+def test_gather_rows_list_and_packed_aux_agree():
+    n = 6
+    final = torch.randn(n, H)
+    aux = [torch.randn(n, H) for _ in range(K)]
+    idx = torch.tensor([4, 1, 2])
+    a = gather_rows(final, aux, idx, K)
+    b = gather_rows(final, torch.cat(aux, dim=-1), idx, K)
+    assert a.shape == (3, K + 1, H) and torch.equal(a, b)
+    assert torch.equal(a[:, K], final[idx]) and torch.equal(a[:, 0], aux[0][idx])
+
+
+def test_build_sample_shapes_and_loss_mask():
+    a = ReqExport(rid="a", prompt_ids=[5, 6, 7], options=RequestOptions(loss_mask=[0, 1, 1]))
+    run([a], [0], [3])
+    t = build_sample(a, K)
+    assert t["token_ids"].tolist() == [5, 6, 7]
+    assert t["aux_hidden_states"].shape == (3, K, H) and t["final_hidden_states"].shape == (3, H)
+    assert t["loss_mask"].dtype == torch.uint8 and t["loss_mask"].tolist() == [0, 1, 1]
+    a.options.loss_mask = [1]
+    with pytest.raises(RequestOptionsError, match="one 0/1 per prompt token"):
+        build_sample(a, K)
+
+
+def test_request_options():
+    assert parse_request_options(None).export
+    o = parse_request_options({"sglang_hs": {"loss_mask": [0, 1], "metadata": {"src": "x"}}})
+    assert o.loss_mask == [0, 1] and o.metadata == {"src": "x"}
+    assert not parse_request_options({"sglang_hs": {"export": False}}).export
+    for bad in ({"loss_mask": [0, 2]}, {"loss_mask": "11"}, {"metadata": [1]}, {"nope": 1},
+                {"metadata": {"x": "y" * 20000}}):
+        with pytest.raises(RequestOptionsError):
+            parse_request_options({"sglang_hs": bad})

@@ -1,0 +1,97 @@
+import json
+import os
+
+import pytest
+import torch
+
+from sglang_hs.format import (
+    DuplicateSampleError,
+    SampleIdError,
+    append_manifest,
+    check_compatible,
+    check_sample_id,
+    open_manifest,
+    read_manifest,
+    validate_export,
+    write_export_json,
+    write_sample_file,
+)
+
+H, K = 8, 3
+
+
+def export_dir(tmp_path, n=2, t=5, **overrides):
+    d = str(tmp_path)
+    info = {"format": "sglang-hs/1", "model_path": "m", "architecture": "LlamaForCausalLM", "hidden_size": H,
+            "num_layers": 10, "dtype": "bfloat16", "aux_layer_ids": [2, 5, 7], "final_is_post_norm": True}
+    write_export_json(d, info)
+    fd = open_manifest(d)
+    os.makedirs(os.path.join(d, "dp0-00000"))
+    for i in range(n):
+        sid = f"s{i}"
+        tensors = {"token_ids": torch.arange(t), "aux_hidden_states": torch.randn(t, K, H).bfloat16(),
+                   "final_hidden_states": torch.randn(t, H).bfloat16(),
+                   "loss_mask": torch.tensor([0, 1] * (t // 2) + [1] * (t % 2), dtype=torch.uint8)}
+        tensors.update(overrides.get(sid, {}))
+        rel = f"dp0-00000/{sid}.safetensors"
+        write_sample_file(os.path.join(d, rel), tensors, {"id": sid, "aux_layer_ids": json.dumps([2, 5, 7])})
+        append_manifest(fd, sid, rel, t)
+    os.close(fd)
+    return d
+
+
+@pytest.mark.parametrize("rid", ["sample-000123", "a", "A.b_c-9", "x" * 200])
+def test_safe_ids(rid):
+    assert check_sample_id(rid) == rid
+
+
+@pytest.mark.parametrize("rid", ["", "../etc/passwd", "a/b", ".hidden", "-flag", "a b", "x" * 201,
+                                 "a\x00b", "名前", "s.tmp", None, 5, "..", "/abs"])
+def test_hostile_ids_are_rejected(rid):
+    with pytest.raises(SampleIdError):
+        check_sample_id(rid)
+
+
+def test_valid_export_validates(tmp_path):
+    rep = validate_export(export_dir(tmp_path), expected_tokens={"s0": list(range(5)), "s1": list(range(5))})
+    assert rep.ok, rep.errors
+    assert rep.samples == 2 and rep.tokens == 10 and rep.bytes > 0
+
+
+def test_validator_finds_each_kind_of_damage(tmp_path):
+    bad_nan = torch.randn(5, H).bfloat16()
+    bad_nan[2, 3] = float("nan")
+    d = export_dir(tmp_path, n=2, s0={"final_hidden_states": bad_nan},
+                   s1={"aux_hidden_states": torch.randn(5, 2, H).bfloat16()})
+    rep = validate_export(d, expected_tokens={"s0": [9, 9, 9, 9, 9], "s9": [1]})
+    text = "\n".join(rep.errors)
+    assert "NaN or Inf" in text and "aux_hidden_states (5, 2, 8)" in text
+    assert "differ from the client's tokens" in text and "'s9': expected but not exported" in text
+    os.remove(os.path.join(d, "dp0-00000", "s0.safetensors"))
+    assert "missing" in "\n".join(validate_export(d).errors)
+
+
+def test_write_is_atomic_and_never_overwrites(tmp_path):
+    p = str(tmp_path / "a.safetensors")
+    t = {"x": torch.zeros(2)}
+    write_sample_file(p, t, {"id": "a"})
+    with pytest.raises(DuplicateSampleError):
+        write_sample_file(p, {"x": torch.ones(2)}, {"id": "a"})
+    assert os.listdir(tmp_path) == ["a.safetensors"]  # no temporary file left behind
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    with pytest.raises(Exception):
+        write_sample_file(str(tmp_path / "a.safetensors"), {"x": "not a tensor"}, {})
+    assert os.listdir(tmp_path) == []
+
+
+def test_torn_last_manifest_line_is_ignored(tmp_path):
+    (tmp_path / "manifest.jsonl").write_text('{"id": "a", "path": "p", "num_tokens": 1}\n{"id": "b", "pa')
+    assert [e["id"] for e in read_manifest(str(tmp_path))] == ["a"]
+
+
+def test_existing_directory_must_match(tmp_path):
+    check_compatible({"model_path": "m", "aux_layer_ids": [1, 2]}, {"model_path": "m"})
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        check_compatible({"model_path": "m", "aux_layer_ids": [1, 2]}, {"aux_layer_ids": [1, 3]})

@@ -1,0 +1,79 @@
+"""Conformance of every seam with the pinned SGLang release: each target resolves, our hook
+is the one applied there, and the upstream facts the hooks rely on still hold. A renamed or
+re-signatured upstream function fails here instead of silently exporting nothing."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from sglang_hs.cpu import cpu_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def probe():
+    r = subprocess.run([sys.executable, os.path.join(HERE, "conformance_probe.py")], env=cpu_env(),
+                       capture_output=True, text=True, timeout=600)
+    line = [x for x in r.stdout.splitlines() if x.startswith("PROBE_JSON ")]
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads(line[0][len("PROBE_JSON "):])
+
+
+EXPECTED_PARAMS = {
+    "sglang.srt.server_args.ServerArgs.add_cli_args": ["parser"],
+    "sglang.srt.server_args.ServerArgs.from_cli_args": ["cls", "args"],
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends": ["self"],
+    "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len": ["self", "input_len"],
+    "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": ["self", "batch", "forward_batch"],
+    "sglang.srt.layers.logits_processor.LogitsProcessor.forward":
+        ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"],
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ["self", "obj", "request"],
+}
+
+
+def test_every_seam_is_listed_here_and_in_fork_notes():
+    from sglang_hs.seams import seam_targets
+
+    assert sorted(seam_targets()) == sorted(EXPECTED_PARAMS)
+    notes = open(os.path.join(HERE, "..", "..", "FORK_NOTES.md")).read()
+    for t in seam_targets():
+        assert t in notes, f"{t} is not documented in FORK_NOTES.md"
+
+
+@pytest.mark.parametrize("target", sorted(EXPECTED_PARAMS))
+def test_seam_target_resolves_and_our_hook_is_applied(probe, target):
+    s = probe["seams"][target]
+    assert s["patched"], f"HookRegistry did not apply {target}"
+    assert s["our_hook"], f"the function at {target} is not wrapped by sglang-hs' hook"
+    want = EXPECTED_PARAMS[target]
+    assert s["params"][: len(want)] == want, f"{target} signature changed upstream: {s['params']}"
+
+
+def test_upstream_facts_the_hooks_rely_on(probe):
+    for field in ("reqs", "prefix_lens", "extend_lens", "forward_mode"):
+        assert field in probe["schedule_batch_fields"]
+    for field in ("attn_tp_rank", "attn_cp_rank", "attn_dp_rank", "dp_rank", "pp_rank", "pp_size"):
+        assert field in probe["parallel_state_fields"]
+    for attr in ("self.origin_input_ids", "self.finished_reason", "self.to_finish", "self.sampling_params",
+                 "self.rid"):
+        assert attr in probe["req_init_source"]
+    for attr in ("self.is_draft_worker", "self.model_config", "self.ps", "self.server_args", "self.dtype"):
+        assert attr in probe["model_runner_init_source"]
+    for field in ("rid", "sampling_params", "input_embeds"):
+        assert field in probe["generate_req_fields"]
+    assert "custom_params" in probe["sampling_params_init"]
+    assert probe["health_prefix"] == "HEALTH_CHECK"
+
+
+def test_layer_id_mapping_of_upstream_families(probe):
+    """What FORK_NOTES.md documents: upstream's loop index i records the input of layer i
+    (HF output_hidden_states[i]); explicit ids get +1 on Llama, and on DeepseekV2 only when
+    the first id is 1; the default is [2, L//2, L-3] unshifted."""
+    assert probe["llama_default"] == [2, 15, 27]
+    assert probe["llama_explicit_1_14_26"] == [2, 15, 27]
+    assert probe["deepseek_explicit_1_14_26"] == [2, 15, 27]
+    assert probe["deepseek_explicit_2_15_27"] == [2, 15, 27]

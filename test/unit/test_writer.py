@@ -1,0 +1,121 @@
+import os
+import threading
+import time
+
+import torch
+
+from sglang_hs.capture import ReqExport, RequestOptions, plan_forward, split_rows
+from sglang_hs.format import read_manifest, validate_export, write_export_json
+from sglang_hs.writer import HostBudget, SampleWriter
+
+H, K = 8, 3
+
+
+def complete_state(rid, n, loss_mask=None):
+    st = ReqExport(rid=rid, prompt_ids=list(range(n)), options=RequestOptions(loss_mask=loss_mask))
+    rows, segs, _ = plan_forward([st], [0], [n])
+    split_rows(torch.randn(n, K + 1, H).bfloat16(), segs)
+    st.done = True
+    return st
+
+
+def submit(w, st, aborted=lambda: False):
+    w.budget.reserve(st.reserved)  # what the runtime does when it copies the rows to the host
+    w.submit(st, aborted)
+
+
+def make_writer(d, budget=None):
+    msgs = []
+    write_export_json(d, {"format": "sglang-hs/1", "model_path": "m", "architecture": "X", "hidden_size": H,
+                          "num_layers": 10, "dtype": "bfloat16", "aux_layer_ids": [2, 5, 7],
+                          "final_is_post_norm": True})
+    w = SampleWriter(d, "dp0", [2, 5, 7], budget or HostBudget(1 << 30), msgs.append, threads=2)
+    return w, msgs
+
+
+def test_writes_files_manifest_and_reports(tmp_path):
+    d = str(tmp_path)
+    w, msgs = make_writer(d)
+    for i in range(20):
+        submit(w, complete_state(f"r{i}", 3 + i, loss_mask=[1] * (3 + i)))
+    w.close()
+    assert sorted(m["rid"] for m in msgs) == sorted(f"r{i}" for i in range(20))
+    assert all(m["ok"] for m in msgs)
+    assert len(read_manifest(d)) == 20
+    rep = validate_export(d)
+    assert rep.ok, rep.errors
+    assert rep.tokens == sum(3 + i for i in range(20))
+    assert w.budget.held == 0 and w.budget.queued == 0
+
+
+def test_duplicate_id_is_refused_not_overwritten(tmp_path):
+    d = str(tmp_path)
+    w, msgs = make_writer(d)
+    submit(w, complete_state("same", 4), lambda: False)
+    w.flush()
+    submit(w, complete_state("same", 6), lambda: False)
+    w.close()
+    assert [m["ok"] for m in msgs] == [True, False] and msgs[1]["status"] == 409
+    assert [e["num_tokens"] for e in read_manifest(d)] == [4]
+
+
+def test_aborted_before_commit_writes_nothing(tmp_path):
+    d = str(tmp_path)
+    w, msgs = make_writer(d)
+    submit(w, complete_state("gone", 4), lambda: True)
+    w.close()
+    assert msgs == [{"rid": "gone", "ok": False, "aborted": True}]
+    assert read_manifest(d) == [] and not any(f.endswith(".safetensors") for _, _, fs in os.walk(d) for f in fs)
+
+
+def test_io_error_fails_that_sample_and_the_writer_goes_on(tmp_path):
+    d = str(tmp_path)
+    w, msgs = make_writer(d)
+    # A real I/O error: the shard folder's name is taken by a file.
+    (tmp_path / "dp0-00000").write_text("in the way")
+    submit(w, complete_state("a", 4), lambda: False)
+    w.flush()
+    os.remove(tmp_path / "dp0-00000")
+    submit(w, complete_state("b", 4), lambda: False)
+    w.close()
+    assert not msgs[0]["ok"] and "could not write sample a" in msgs[0]["error"] and msgs[0]["status"] == 500
+    assert msgs[1]["ok"]
+    assert [e["id"] for e in read_manifest(d)] == ["b"]
+
+
+def test_budget_applies_backpressure_and_never_deadlocks():
+    b = HostBudget(100)
+    b.reserve(80)
+    b.enqueue(80)
+    released = threading.Event()
+
+    def writer():
+        time.sleep(0.3)
+        b.release(80, queued=True)
+        released.set()
+
+    threading.Thread(target=writer).start()
+    t0 = time.perf_counter()
+    b.reserve(50)  # must wait for the writer to free the queued 80
+    assert released.is_set() and time.perf_counter() - t0 >= 0.25
+    # Only unfinished (not queued) rows held: going over the limit is allowed, waiting would hang.
+    b.reserve(200)
+    assert b.held == 250 and b.peak == 250
+
+
+def test_shards_hold_at_most_files_per_shard(tmp_path, monkeypatch):
+    import sglang_hs.writer as wmod
+
+    monkeypatch.setattr(wmod, "FILES_PER_SHARD", 3)
+    d = str(tmp_path)
+    w, _ = make_writer(d)
+    for i in range(7):
+        submit(w, complete_state(f"r{i}", 2), lambda: False)
+        w.flush()
+    w.close()
+    counts = sorted(len(os.listdir(os.path.join(d, s))) for s in os.listdir(d) if s.startswith("dp0-"))
+    assert counts == [1, 3, 3]
+    w2, _ = make_writer(d)  # a restarted server continues the last shard
+    submit(w2, complete_state("r7", 2), lambda: False)
+    w2.close()
+    assert len(os.listdir(os.path.join(d, "dp0-00002"))) == 2
