@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 FORMAT_VERSION = "sglang-hs/1"
 EXPORT_JSON = "export.json"
@@ -66,13 +66,13 @@ def write_sample_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     """
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    # Serialize in memory and write ourselves, so a full disk is an OSError with its errno.
+    data = save(dict(tensors), metadata=metadata)
     try:
-        save_file(dict(tensors), tmp, metadata=metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         try:
             os.link(tmp, path)  # atomic, and fails instead of overwriting
         except FileExistsError:
@@ -105,10 +105,16 @@ def open_manifest(out_dir: str) -> int:
 
 
 def read_manifest(out_dir: str) -> List[dict]:
+    """Manifest entries in order. A line that is not JSON (a write torn by a crash or a full
+    disk) is not a sample and is skipped; `validate_export` reports it."""
+    return [e for e in _manifest_lines(out_dir) if isinstance(e, dict)]
+
+
+def _manifest_lines(out_dir: str) -> List[object]:
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         return []
-    out = []
+    out: List[object] = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -116,9 +122,7 @@ def read_manifest(out_dir: str) -> List[dict]:
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
-                # A torn last line (crash mid-write) is not a sample; anything else is damage.
-                if f.read().strip():
-                    raise ValueError(f"{path}:{n}: not JSON") from None
+                out.append(f"{MANIFEST}:{n}: not JSON (torn write?)")
     return out
 
 
@@ -202,6 +206,7 @@ def validate_export(
             rep.errors.append(f"{EXPORT_JSON}: missing '{key}'")
     if rep.errors:
         return rep
+    rep.errors += [x for x in _manifest_lines(out_dir) if isinstance(x, str)]
     hidden, k_aux = info["hidden_size"], len(info["aux_layer_ids"])
     dtype = _DTYPES.get(info["dtype"])
     seen = set()

@@ -144,8 +144,10 @@ class SampleWriter:
             st, aborted = job
             try:
                 self._write(st, aborted)
-            except Exception:  # never let one sample kill the writer thread
+            except Exception as e:  # never let one sample kill the writer or hang its request
                 logger.exception("sglang-hs: writing sample %s failed", st.rid)
+                self.notify({"rid": st.rid, "ok": False, "status": 500,
+                             "error": f"internal error writing sample {st.rid}: {e!r}"})
             finally:
                 st.chunks.clear()
                 self.budget.release(st.reserved, queued=True)
@@ -171,9 +173,14 @@ class SampleWriter:
                 "metadata": json.dumps(st.options.metadata or {}),
             }
             rel = self._claim_path(st.rid)
+            path = os.path.join(self.out_dir, rel)
             try:
-                size = write_sample_file(os.path.join(self.out_dir, rel), tensors, meta)
-                append_manifest(self._manifest_fd, st.rid, rel, st.prompt_len)
+                size = write_sample_file(path, tensors, meta)
+                try:
+                    append_manifest(self._manifest_fd, st.rid, rel, st.prompt_len)
+                except BaseException:
+                    os.unlink(path)  # not in the manifest: not a sample
+                    raise
             except BaseException:
                 self._unclaim(st.rid)
                 raise

@@ -86,9 +86,12 @@ def test_failed_write_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_torn_last_manifest_line_is_ignored(tmp_path):
-    (tmp_path / "manifest.jsonl").write_text('{"id": "a", "path": "p", "num_tokens": 1}\n{"id": "b", "pa')
-    assert [e["id"] for e in read_manifest(str(tmp_path))] == ["a"]
+def test_torn_manifest_line_is_skipped_and_reported(tmp_path):
+    d = export_dir(tmp_path, n=1)
+    with open(os.path.join(d, "manifest.jsonl"), "a") as f:
+        f.write('{"id": "b", "pa')
+    assert [e["id"] for e in read_manifest(d)] == ["s0"]
+    assert any("torn write" in e for e in validate_export(d).errors)
 
 
 def test_existing_directory_must_match(tmp_path):

@@ -1,0 +1,229 @@
+"""A real SGLang server on CPU, started with the stock launcher and our flag; references from
+Hugging Face transformers (sglang_hs.verify runs the HF forward, independent of SGLang)."""
+
+import concurrent.futures as cf
+import os
+import random
+import subprocess
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from sglang_hs.format import load_sample, read_manifest, validate_export
+from sglang_hs.server import Server
+from sglang_hs.verify import verify_export
+
+pytestmark = pytest.mark.server
+
+CHUNK = 64
+
+
+def prompts(seed, lengths, vocab=49152):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def export(srv, rid, ids, max_new_tokens=1, **extra):
+    r = srv.generate({"rid": rid, "input_ids": ids,
+                      "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, **extra.pop("sp", {})},
+                      **extra})
+    return r
+
+
+def sample(out_dir, rid):
+    entry = {e["id"]: e for e in read_manifest(out_dir)}[rid]
+    return load_sample(os.path.join(out_dir, entry["path"]))
+
+
+def assert_exact_vs_hf(out_dir):
+    rep = verify_export(out_dir, samples=None)
+    print(rep.table())
+    assert rep.ok, rep.table() + "\n" + "\n".join(rep.format_errors)
+    return rep
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_path, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("export"))
+    log = str(tmp_path_factory.mktemp("logs") / "server.log")
+    args = ["--model-path", tiny_path, "--export-hidden-states-dir", out, "--chunked-prefill-size", str(CHUNK),
+            "--enable-return-hidden-states", "--skip-server-warmup", "--log-level", "info"]
+    with Server(args, log) as srv:
+        srv.out = out
+        yield srv
+
+
+def test_rows_equal_return_hidden_states_and_match_hf_across_many_chunks(tiny_server):
+    srv = tiny_server
+    lengths = [1, 2, 63, 64, 65, 200, 700]  # up to 11 chunks of 64
+    for i, ids in enumerate(prompts(1, lengths)):
+        r = export(srv, f"exact-{i}", ids, return_hidden_states=True)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["hidden_states_export"]["num_tokens"] == len(ids)
+        t = sample(srv.out, f"exact-{i}")
+        assert t["token_ids"].tolist() == ids
+        # The runtime's own rows (packed aux, as upstream returns them with aux capture on):
+        # equal where they overlap (upstream returns the rows of the last prefill chunk).
+        rt = torch.tensor(meta["hidden_states"][0], dtype=torch.float32)
+        if rt.dim() == 1:
+            rt = rt[None]
+        ours = t["aux_hidden_states"].float().flatten(1)[-rt.shape[0]:]
+        assert rt.shape[0] >= 1 and torch.equal(ours, rt), f"prompt {i}: differs from return_hidden_states"
+    assert_exact_vs_hf(srv.out)
+
+
+def test_prefix_cache_same_prompt_twice_and_shared_prefixes(tiny_server):
+    srv = tiny_server
+    base, = prompts(2, [150])
+    tails = prompts(3, [1, 40, 130])
+    cases = {"twice-a": base, "twice-b": base, **{f"shared-{j}": base[:100] + t for j, t in enumerate(tails)},
+             "first-token-only": base[:1] + tails[2]}
+    for rid, ids in cases.items():
+        r = export(srv, rid, ids)
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["cached_tokens"] == 0  # exported requests recompute in full
+    for rid, ids in cases.items():
+        t = sample(srv.out, rid)
+        assert t["token_ids"].tolist() == ids and t["final_hidden_states"].shape[0] == len(ids)
+    a, b = sample(srv.out, "twice-a"), sample(srv.out, "twice-b")
+    assert torch.equal(a["aux_hidden_states"], b["aux_hidden_states"])
+    # Other traffic keeps using the cache.
+    r = export(srv, "not-exported", base, sp={"custom_params": {"sglang_hs": {"export": False}}})
+    assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] > 0
+    assert "hidden_states_export" not in r.json()["meta_info"]
+    assert "not-exported" not in {e["id"] for e in read_manifest(srv.out)}
+
+
+def test_32_concurrent_requests_of_mixed_lengths(tiny_server):
+    srv = tiny_server
+    lengths = [random.Random(i).randrange(2, 400) for i in range(32)]
+    ps = prompts(4, lengths)
+    with cf.ThreadPoolExecutor(32) as ex:
+        rs = list(ex.map(lambda i: export(srv, f"conc-{i}", ps[i], max_new_tokens=1 + i % 4), range(32)))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+    rep = validate_export(srv.out, expected_tokens={f"conc-{i}": ps[i] for i in range(32)})
+    assert rep.ok, rep.errors
+    assert_exact_vs_hf(srv.out)
+
+
+def test_loss_mask_and_metadata_land_in_the_file(tiny_server):
+    srv = tiny_server
+    ids, = prompts(5, [90])
+    mask = [i % 3 == 0 for i in range(90)]
+    r = export(srv, "masked", ids, sp={"custom_params": {"sglang_hs": {"loss_mask": [int(m) for m in mask],
+                                                                       "metadata": {"source": "unit", "n": 3}}}})
+    assert r.status_code == 200, r.text
+    t = sample(srv.out, "masked")
+    assert t["loss_mask"].tolist() == [int(m) for m in mask]
+    from sglang_hs.format import sample_metadata
+
+    path = os.path.join(srv.out, r.json()["meta_info"]["hidden_states_export"]["path"])
+    assert '"source": "unit"' in sample_metadata(path)["metadata"]
+    r = export(srv, "bad-mask", ids, sp={"custom_params": {"sglang_hs": {"loss_mask": [1, 0]}}})
+    assert r.status_code == 400 and "one 0/1 per prompt token" in r.text
+    r = export(srv, "bad-mask-2", ids, sp={"custom_params": {"sglang_hs": {"loss_mask": [2] * 90}}})
+    assert r.status_code == 400
+    assert not {"bad-mask", "bad-mask-2"} & {e["id"] for e in read_manifest(srv.out)}
+
+
+HOSTILE = ["../escape", "/etc/passwd", "a/b", ".hidden", "x" * 300, "a\nb", "sp ace", "..", "s.tmp"]
+
+
+def test_hostile_rids_are_rejected_and_the_server_goes_on(tiny_server, tmp_path):
+    srv = tiny_server
+    before = set(os.listdir(os.path.dirname(srv.out)))
+    for rid in HOSTILE:
+        r = export(srv, rid, [5, 6, 7])
+        assert r.status_code == 400 and "cannot name an exported sample" in r.text, (rid, r.text)
+    assert set(os.listdir(os.path.dirname(srv.out))) == before
+    assert not any(rid in {e["id"] for e in read_manifest(srv.out)} for rid in HOSTILE)
+    r = export(srv, "after-hostile", [5, 6, 7])
+    assert r.status_code == 200
+
+
+def test_an_exported_rid_is_never_overwritten(tiny_server):
+    srv = tiny_server
+    assert export(srv, "dup", [5, 6, 7]).status_code == 200
+    r = export(srv, "dup", [8, 9])
+    assert r.status_code == 409 and "already exported" in r.text
+    assert sample(srv.out, "dup")["token_ids"].tolist() == [5, 6, 7]
+
+
+def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
+    srv = tiny_server
+    aborted = 0
+    for attempt in range(4):
+        rid = f"abort-{attempt}"
+        ids, = prompts(10 + attempt, [4000])  # about 63 chunks of 64
+        res = {}
+        th = threading.Thread(target=lambda: res.setdefault("r", export(srv, rid, ids)))
+        th.start()
+        time.sleep(0.5 + 0.3 * attempt)
+        requests.post(srv.url + "/abort_request", json={"rid": rid}, timeout=30)
+        th.join(120)
+        fin = res["r"].json()["meta_info"]["finish_reason"] if res["r"].status_code == 200 else {"type": "abort"}
+        if fin.get("type") == "abort":
+            aborted += 1
+            assert rid not in {e["id"] for e in read_manifest(srv.out)}
+            assert not any(rid in f for _, _, fs in os.walk(srv.out) for f in fs)
+    assert aborted >= 1, "no request was aborted mid-prefill; the test did not exercise anything"
+    # Nothing leaked: the server serves and exports the next request normally.
+    r = export(srv, "after-abort", prompts(20, [300])[0])
+    assert r.status_code == 200
+    log = srv.log_tail(2000)
+    assert "Traceback" not in log
+
+
+def test_the_whole_directory_validates(tiny_server):
+    rep = validate_export(tiny_server.out)
+    assert rep.ok, rep.errors
+    assert rep.samples >= 45  # every test above adds samples
+
+
+@pytest.fixture(scope="module")
+def full_disk_server(tiny_path, tmp_path_factory):
+    mnt = str(tmp_path_factory.mktemp("tmpfs"))
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}); the full-disk test needs one")
+    log = str(tmp_path_factory.mktemp("logs") / "server.log")
+    out = os.path.join(mnt, "hs")
+    args = ["--model-path", tiny_path, "--export-hidden-states-dir", out, "--chunked-prefill-size", "24",
+            "--skip-server-warmup"]
+    try:
+        with Server(args, log) as srv:
+            srv.out = out
+            yield srv
+    finally:
+        subprocess.run(["umount", "-l", mnt])
+
+
+def test_second_chunk_size_matches_hf(full_disk_server):
+    srv = full_disk_server
+    for i, ids in enumerate(prompts(30, [23, 24, 25, 250])):  # up to 11 chunks of 24
+        assert export(srv, f"c24-{i}", ids).status_code == 200
+    assert_exact_vs_hf(srv.out)
+
+
+def test_full_disk_fails_that_request_and_the_server_keeps_serving(full_disk_server):
+    srv = full_disk_server
+    # 512 bytes per token (3 aux + final, hidden 64, bf16): 1 MiB holds about 2,000 tokens.
+    big = prompts(31, [1500] * 3)
+    codes = [export(srv, f"big-{i}", ids) for i, ids in enumerate(big)]
+    failed = [r for r in codes if r.status_code != 200]
+    assert failed, "the disk never filled"
+    assert failed[0].status_code == 507 and "No space left" in failed[0].text
+    ok_ids = {f"big-{i}" for i, r in enumerate(codes) if r.status_code == 200}
+    assert {e["id"] for e in read_manifest(srv.out)} >= ok_ids
+    # No partial or temporary files of the failed samples.
+    assert not any(f.endswith(".tmp") for _, _, fs in os.walk(srv.out) for f in fs)
+    # Free space; the same server exports again.
+    for e in read_manifest(srv.out):
+        if e["id"].startswith("big-"):
+            os.remove(os.path.join(srv.out, e["path"]))
+    r = export(srv, "after-full", [5, 6, 7])
+    assert r.status_code == 200, r.text
