@@ -1,0 +1,74 @@
+"""Benchmark building blocks: prompt throughput of a running server, and provenance."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import requests
+
+
+def random_prompts(n: int, length: int, seed: int, vocab: int = 32000) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, rid_prefix: Optional[str] = None,
+                    extra: Optional[dict] = None) -> Dict[str, float]:
+    """Send every prompt once (max_new_tokens=1) with `concurrency` clients; prompt tokens/s."""
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=concurrency)
+    session.mount("http://", adapter)
+
+    def one(i):
+        body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": 1, "temperature": 0}, **(extra or {})}
+        if rid_prefix:
+            body["rid"] = f"{rid_prefix}-{i:06d}"
+        r = session.post(url + "/generate", json=body, timeout=3600)
+        r.raise_for_status()
+        return len(r.content)
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        response_bytes = sum(ex.map(one, range(len(prompts))))
+    wall = time.perf_counter() - t0
+    tokens = sum(len(p) for p in prompts)
+    return {"prompts": len(prompts), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "response_bytes": response_bytes}
+
+
+def provenance(command: Sequence[str]) -> dict:
+    import torch
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
+        except OSError:
+            return ""
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("sglang", "transformers", "sglang_hs"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            versions[mod] = None
+    hw = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        hw["gpu"] = torch.cuda.get_device_name(0)
+        hw["gpu_count"] = torch.cuda.device_count()
+    return {
+        "command": " ".join(command),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git("rev-parse", "HEAD") or os.environ.get("SGLANG_HS_GIT_SHA", ""),
+        "git_dirty": bool(git("status", "--porcelain")),
+        "versions": versions,
+        "hardware": hw,
+        "argv0": sys.argv[0],
+    }
