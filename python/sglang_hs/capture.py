@@ -68,6 +68,8 @@ class ReqExport:
     chunks: List[torch.Tensor] = dataclasses.field(default_factory=list)  # writer only
     rows_held: int = 0
     reserved: int = 0  # host-budget bytes held for this request's rows (writer only)
+    # Device->host copies still in flight for these rows (CUDA events); the writer waits on them.
+    ready: List[Any] = dataclasses.field(default_factory=list)
     aborted: Callable[[], bool] = lambda: False
 
     @property
@@ -161,9 +163,9 @@ def gather_rows(final: torch.Tensor, aux: AuxStates, index: torch.Tensor, num_au
     return torch.cat([aux_rows, final.index_select(0, index).unsqueeze(1)], dim=1)
 
 
-def split_rows(host_rows: torch.Tensor, segments: Sequence[Segment]) -> List[ReqExport]:
-    """Hand each segment its rows (and their share of the host budget); return the
-    requests whose prompt is now complete."""
+def split_rows(host_rows: torch.Tensor, segments: Sequence[Segment], ready: Any = None) -> List[ReqExport]:
+    """Hand each segment its rows (and their share of the host budget, and the event that
+    says the rows have landed); return the requests whose prompt is now complete."""
     complete = []
     off = 0
     row_bytes = host_rows[0].numel() * host_rows.element_size() if host_rows.shape[0] else 0
@@ -174,6 +176,8 @@ def split_rows(host_rows: torch.Tensor, segments: Sequence[Segment]) -> List[Req
             continue
         st.add_rows(seg.start, host_rows[off : off + seg.num_rows])
         st.reserved += seg.num_rows * row_bytes
+        if ready is not None:
+            st.ready.append(ready)
         off += seg.num_rows
         if st.rows_held == st.prompt_len:
             complete.append(st)

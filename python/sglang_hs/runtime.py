@@ -4,7 +4,9 @@ rows, and hands complete prompts to the writer. The seams call it with plain val
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -28,7 +30,31 @@ class _Forward:
     rows: List[int]
     segments: List[Segment]
     host: Optional[torch.Tensor] = None
+    ready: Optional[object] = None  # CUDA event: the host rows have landed
     reserved: int = 0
+
+
+class DeviceStager:
+    """Device->host copies of exported rows without stalling the forward loop.
+
+    The rows are gathered on the forward stream, then a side stream copies them into pinned
+    host memory (PyTorch's caching host allocator: a reusable pool, whose live size the host
+    budget bounds) and records an event. Only the writer thread waits on that event.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, rows: torch.Tensor):
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            host.copy_(rows, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        rows.record_stream(self.stream)  # keep the device rows alive until the copy is done
+        return host, ready
 
 
 class ExportRuntime:
@@ -38,6 +64,9 @@ class ExportRuntime:
         self.writer = writer  # None on ranks that do not write
         self._fwd: Optional[_Forward] = None
         self._in_progress: Dict[int, ReqExport] = {}
+        self._stager: Optional[DeviceStager] = None
+        self.copies = 0  # device->host copies issued by this rank (proves who copies)
+        self._last_log = time.monotonic()
 
     def new_state(
         self, rid: str, prompt_ids: Sequence[int], custom_params: Optional[dict], aborted: Callable[[], bool]
@@ -72,9 +101,15 @@ class ExportRuntime:
         n, hidden = len(fwd.rows), final.shape[-1]
         fwd.reserved = n * (self.num_aux + 1) * hidden * final.element_size()
         self.writer.budget.reserve(fwd.reserved)
-        index = torch.tensor(fwd.rows, dtype=torch.long).to(final.device, non_blocking=True)
-        rows = gather_rows(final, aux, index, self.num_aux)
-        fwd.host = rows if rows.device.type == "cpu" else rows.to("cpu")
+        index = torch.tensor(fwd.rows, dtype=torch.long)
+        if final.device.type == "cpu":
+            fwd.host = gather_rows(final, aux, index, self.num_aux)
+        else:
+            rows = gather_rows(final, aux, index.pin_memory().to(final.device, non_blocking=True), self.num_aux)
+            if self._stager is None:
+                self._stager = DeviceStager(final.device)
+            fwd.host, fwd.ready = self._stager.copy(rows)
+        self.copies += 1
 
     def end_forward(self) -> None:
         fwd, self._fwd = self._fwd, None
@@ -86,7 +121,7 @@ class ExportRuntime:
                                "(the model bypassed its LogitsProcessor)")
                 self._fail(seg.state)
             return
-        for st in split_rows(fwd.host, fwd.segments):
+        for st in split_rows(fwd.host, fwd.segments, fwd.ready):
             st.done = True
             self._in_progress.pop(id(st), None)
             self.writer.submit(st, st.aborted)
@@ -94,6 +129,17 @@ class ExportRuntime:
             if not seg.state.done:
                 self._in_progress[id(seg.state)] = seg.state
         self._sweep()
+        if time.monotonic() - self._last_log > 10:
+            self._last_log = time.monotonic()
+            logger.info("sglang-hs stats: %s", json.dumps(self.stats()))
+
+    def stats(self) -> dict:
+        w = self.writer
+        d = {"copies": self.copies, "writer": dict(w.stats), "host_budget_peak": w.budget.peak,
+             "host_budget_limit": w.budget.limit, "backpressure_wait_s": round(w.budget.waited_s, 3)}
+        if self._stager is not None:
+            d["pinned"] = {k: v for k, v in torch.cuda.host_memory_stats().items() if "bytes" in k}
+        return d
 
     def abort_forward(self) -> None:
         """The forward raised: its rows never arrived, so the affected samples fail."""

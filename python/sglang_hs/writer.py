@@ -78,15 +78,12 @@ class SampleWriter:
         budget: HostBudget,
         notify: Notify,
         threads: int = 2,
-        wait_ready: Optional[Callable[[ReqExport], None]] = None,
     ):
         self.out_dir = out_dir
         self.tag = writer_tag
         self.aux_layer_ids = list(aux_layer_ids)
         self.budget = budget
         self.notify = notify
-        # GPU staging: called in the writer thread before rows are read (waits on a copy event).
-        self.wait_ready = wait_ready
         self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
         self._lock = threading.Lock()
         self._ids = {e["id"] for e in read_manifest(out_dir)}
@@ -132,8 +129,11 @@ class SampleWriter:
 
     def drop(self, st: ReqExport) -> None:
         """Forget a request's rows (aborted or failed mid-prefill); nothing is written."""
+        for ev in st.ready:  # the copy engine may still be writing into these rows
+            ev.synchronize()
         self.budget.release(st.reserved, queued=False)
         st.chunks.clear()
+        st.ready.clear()
         st.rows_held = st.reserved = 0
 
     def _run(self) -> None:
@@ -150,6 +150,7 @@ class SampleWriter:
                              "error": f"internal error writing sample {st.rid}: {e!r}"})
             finally:
                 st.chunks.clear()
+                st.ready.clear()
                 self.budget.release(st.reserved, queued=True)
                 st.reserved = 0
                 self._q.task_done()
@@ -158,8 +159,8 @@ class SampleWriter:
         msg = {"rid": st.rid, "ok": False}
         t0 = time.perf_counter()
         try:
-            if self.wait_ready is not None:
-                self.wait_ready(st)
+            for ev in st.ready:  # device->host copies of these rows (GPU); wait here, not in the forward
+                ev.synchronize()
             if aborted():
                 msg["aborted"] = True
                 self.notify(msg)

@@ -119,3 +119,32 @@ def test_shards_hold_at_most_files_per_shard(tmp_path, monkeypatch):
     submit(w2, complete_state("r7", 2), lambda: False)
     w2.close()
     assert len(os.listdir(os.path.join(d, "dp0-00002"))) == 2
+
+
+class SlowCopy:
+    """Stands in for a CUDA event of an in-flight device->host copy: the rows are only
+    valid once synchronize() returns."""
+
+    def __init__(self, st, value):
+        self.st, self.value, self.waited = st, value, False
+
+    def synchronize(self):
+        time.sleep(0.05)
+        for c in self.st.chunks:
+            c.fill_(self.value)  # the copy lands
+        self.waited = True
+
+
+def test_writer_waits_for_the_device_copy_before_reading_rows(tmp_path):
+    d = str(tmp_path)
+    w, msgs = make_writer(d)
+    st = complete_state("gpu", 5)
+    for c in st.chunks:
+        c.fill_(float("nan"))  # what the pinned buffer holds before the copy lands
+    ev = SlowCopy(st, 1.5)
+    st.ready.append(ev)
+    submit(w, st)
+    w.close()
+    assert ev.waited and msgs[0]["ok"]
+    rep = validate_export(d)
+    assert rep.ok, rep.errors  # no NaN: the rows were read after the copy

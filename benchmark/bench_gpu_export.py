@@ -1,0 +1,176 @@
+"""Export on vs off on one GPU, side by side in one run, plus the two other ways people get
+hidden states today (upstream return_hidden_states, and an HF transformers forward).
+
+Llama-3-8B geometry with dummy weights, --attention-backend triton, CUDA graphs on (defaults),
+64 concurrent clients, prompts of 1024 and 4096 tokens. The export-off and export-on servers
+run at the same time on the same GPU and are measured in alternating rounds.
+
+    python benchmark/bench_gpu_export.py --phase radix-on  --out results.json
+    python benchmark/bench_gpu_export.py --phase radix-off --out results.json   # adds to the file
+    python benchmark/bench_gpu_export.py --phase baselines --out results.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from sglang_hs.bench import measure_prefill, provenance, random_prompts
+from sglang_hs.format import read_manifest
+from sglang_hs.server import Server
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+}
+FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton",
+         "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.45",
+         "--max-total-tokens", "300000"]
+CLIENTS = 64
+SHAPES = [(1024, 192), (4096, 64)]  # (prompt length, prompts per round)
+
+
+def gpu_mem_by_server(servers):
+    """MiB of GPU memory per server (sum over its process group), from nvidia-smi."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout
+    res = {name: 0 for name in servers}
+    for line in out.strip().splitlines():
+        pid, mib = (int(x) for x in line.split(","))
+        for name, s in servers.items():
+            try:
+                if os.getpgid(pid) == s.proc.pid:
+                    res[name] += mib
+            except ProcessLookupError:
+                pass
+    return res
+
+
+def last_stats(log_path):
+    lines = [ln for ln in open(log_path, errors="replace") if "sglang-hs stats:" in ln]
+    return json.loads(lines[-1].split("sglang-hs stats:", 1)[1]) if lines else None
+
+
+def phase_pair(model_dir, work, radix: bool, rounds: int):
+    extra = [] if radix else ["--disable-radix-cache"]
+    export_dir = tempfile.mkdtemp(prefix="hs-", dir="/dev/shm")
+    res = {"radix_cache": radix, "export_dir": export_dir, "shapes": {}}
+    with Server(["--model-path", model_dir, *FLAGS, *extra], f"{work}/off-{radix}.log", cpu=False) as off:
+        res["startup_s_off"] = off.startup_s
+        with Server(["--model-path", model_dir, *FLAGS, *extra, "--export-hidden-states-dir", export_dir],
+                    f"{work}/on-{radix}.log", cpu=False) as on:
+            res["startup_s_on"] = on.startup_s
+            warm = random_prompts(64, 1024, seed=7, vocab=128000)
+            measure_prefill(off.url, warm, CLIENTS)
+            measure_prefill(on.url, warm, CLIENTS, rid_prefix="warm")
+            res["gpu_mem_mib_idle"] = gpu_mem_by_server({"off": off, "on": on})
+            for length, n in SHAPES:
+                rows = {"off": [], "on": []}
+                for r in range(rounds):
+                    ps = random_prompts(n, length, seed=1000 * length + r, vocab=128000)
+                    order = [("off", off, None), ("on", on, f"L{length}-r{r}")]
+                    for name, srv, rid in (order if r % 2 == 0 else order[::-1]):
+                        m = measure_prefill(srv.url, ps, CLIENTS, rid_prefix=rid)
+                        rows[name].append(m)
+                        print(f"radix={radix} L={length} round {r} export {name}: {m['tokens_per_s']:.0f} tok/s",
+                              flush=True)
+                ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rows["on"], rows["off"])]
+                res["shapes"][str(length)] = {
+                    "rounds": rows, "ratio_per_round": ratios, "ratio_median": statistics.median(ratios),
+                    "tokens_per_s_median": {k: statistics.median(x["tokens_per_s"] for x in v)
+                                            for k, v in rows.items()},
+                }
+            res["gpu_mem_mib_after"] = gpu_mem_by_server({"off": off, "on": on})
+            time.sleep(11)  # one more stats line from the writer
+            on_rounds = [m for s in res["shapes"].values() for m in s["rounds"]["on"]]
+            res["export_stats"] = last_stats(on.log_path)
+            entries = read_manifest(export_dir)
+            res["exported_samples"] = len(entries)
+            total_bytes = sum(os.path.getsize(os.path.join(export_dir, e["path"])) for e in entries)
+            res["exported_bytes"] = total_bytes
+            timed_tokens = sum(m["tokens"] for m in on_rounds)
+            timed_s = sum(m["seconds"] for m in on_rounds)
+            res["write_GBps_during_timed_rounds"] = (total_bytes * timed_tokens /
+                                                     max(1, sum(e["num_tokens"] for e in entries))) / timed_s / 1e9
+    subprocess.run(["rm", "-rf", export_dir])
+    return res
+
+
+def phase_baselines(model_dir, work):
+    res = {}
+    with Server(["--model-path", model_dir, *FLAGS, "--disable-radix-cache", "--enable-return-hidden-states"],
+                f"{work}/rhs.log", cpu=False) as srv:
+        ps = random_prompts(16, 1024, seed=5, vocab=128000)
+        res["return_hidden_states"] = measure_prefill(srv.url, ps, 16, extra={"return_hidden_states": True})
+        res["return_hidden_states"]["note"] = "final layer only, JSON floats in the response"
+    res["hf_transformers"] = hf_forward_writes_planes(model_dir)
+    return res
+
+
+def hf_forward_writes_planes(model_dir, batch=8, length=1024, batches=6):
+    """HF forward (bf16, output_hidden_states) writing the same planes to /dev/shm."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k not in ("architectures", "model_type")})
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = [2, 16, 29]  # the default aux ids for 32 layers, HF convention
+    out_dir = tempfile.mkdtemp(prefix="hf-", dir="/dev/shm")
+    x = torch.randint(10, 128000, (batch, length), device="cuda")
+    with torch.no_grad():
+        model.model(input_ids=x, output_hidden_states=True)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        written = 0
+        for b in range(batches):
+            o = model.model(input_ids=x, output_hidden_states=True)
+            aux = torch.stack([o.hidden_states[k] for k in ids], 2).cpu()
+            fin = o.last_hidden_state.cpu()
+            for j in range(batch):
+                p = f"{out_dir}/{b}-{j}.safetensors"
+                save_file({"aux_hidden_states": aux[j].contiguous(), "final_hidden_states": fin[j].contiguous()}, p)
+                written += os.path.getsize(p)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    subprocess.run(["rm", "-rf", out_dir])
+    del model
+    torch.cuda.empty_cache()
+    tokens = batch * length * batches
+    return {"tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall, "bytes_written": written,
+            "batch": batch, "length": length}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=["radix-on", "radix-off", "baselines"], required=True)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp", help="folder for the servers' logs")
+    a = p.parse_args()
+    model_dir = tempfile.mkdtemp(prefix="llama3-8b-geometry-")
+    json.dump(LLAMA3_8B, open(f"{model_dir}/config.json", "w"))
+    data = json.load(open(a.out)) if os.path.exists(a.out) else {}
+    data.setdefault("benchmark", "gpu_export_on_vs_off_llama3_8b_geometry")
+    data.setdefault("provenance", {})[a.phase] = provenance([sys.executable, *sys.argv])
+    data["server_flags"] = FLAGS
+    data["clients"] = CLIENTS
+    data["shapes"] = SHAPES
+    if a.phase == "baselines":
+        data["baselines"] = phase_baselines(model_dir, a.work)
+    else:
+        data[a.phase] = phase_pair(model_dir, a.work, a.phase == "radix-on", a.rounds)
+    json.dump(data, open(a.out, "w"), indent=2)
+    print(json.dumps({k: v for k, v in data.items() if k != "provenance"}, indent=1)[:6000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call on the GPU host (no network): unpack the offline SGLang 0.5.17 bundle, install
+# this checkout's wheel next to it, prove the plugin is discoverable, then run the given steps.
+#   benchmark/gpu_session.sh tests baselines        (or: radix-on radix-off)
+# Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu) and .gpu/sglang_hs-*.whl
+# (pip wheel --no-deps -w .gpu .), both carried.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+SITE=/tmp/sgl-site
+if [ ! -d $SITE/sglang ]; then
+  python3 -c "import tarfile;tarfile.open('.gpu/sglang0517-site.tar.xz').extractall('$SITE',filter='data')"
+fi
+python3 -m pip install -q --no-deps --no-index --upgrade --target $SITE .gpu/sglang_hs-*.whl 2>&1 | grep -v WARNING
+export PYTHONPATH=$SITE SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+python3 -c "from importlib.metadata import entry_points as e; assert 'sglang_hs' in [x.name for x in e(group='sglang.srt.plugins')]" || exit 3
+export SGLANG_HS_LOGS=/tmp/hs-logs; mkdir -p $SGLANG_HS_LOGS
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+for step in "$@"; do
+  case $step in
+    tests) SGLANG_HS_GPU_RESULTS=$OUT/gpu_tests.json python3 -m pytest -v -rs -m gpu test/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" ;;
+    *) python3 benchmark/bench_gpu_export.py --phase "$step" --out "$OUT/bench_gpu.json" \
+         --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
+  esac
+  tar czf "$OUT/logs.tgz" -C $SGLANG_HS_LOGS .  # server logs (at most 8 files come back)
+done

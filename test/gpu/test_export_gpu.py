@@ -1,0 +1,120 @@
+"""On a CUDA GPU, with CUDA graphs on (SGLang's default breakable prefill graph and decode
+graphs) and off: exported rows agree between the two and match an HF transformers forward on
+the same GPU within bf16 tolerance, under chunked prefill, prefix cache and 64 concurrent
+requests. Run: pytest -m gpu test/gpu (see benchmark/results/gpu_tests_h200.txt)."""
+
+import concurrent.futures as cf
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from sglang_hs.format import load_sample, read_manifest, validate_export
+from sglang_hs.server import Server
+from sglang_hs.verify import verify_export
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+GPU_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--skip-tokenizer-init",
+             "--skip-server-warmup", "--mem-fraction-static", "0.3", "--chunked-prefill-size", "512"]
+RESULTS = os.environ.get("SGLANG_HS_GPU_RESULTS")
+
+
+def record(name, value):
+    if RESULTS:
+        data = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
+        data[name] = value
+        json.dump(data, open(RESULTS, "w"), indent=2)
+
+
+@pytest.fixture(scope="module")
+def mini_llama(tmp_path_factory):
+    """A random Llama (hidden 1024, 8 layers) saved by HF, so HF and SGLang load the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = str(tmp_path_factory.mktemp("mini-llama"))
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0, torch_dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def servers(mini_llama, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    out_on, out_off = str(tmp_path_factory.mktemp("graphs-on")), str(tmp_path_factory.mktemp("graphs-off"))
+    common = ["--model-path", mini_llama, *GPU_FLAGS, "--export-aux-layer-ids", "1", "4", "7"]
+    with Server(common + ["--export-hidden-states-dir", out_on], str(logs / "on.log"), cpu=False) as on, \
+            Server(common + ["--export-hidden-states-dir", out_off, "--disable-cuda-graph"],
+                   str(logs / "off.log"), cpu=False) as off:
+        on.out, off.out = out_on, out_off
+        yield on, off
+        for s in (on, off):
+            os.system(f"cp {s.log_path} {os.environ.get('SGLANG_HS_LOGS', '/tmp')}/gpu-test-{os.path.basename(s.log_path)}")
+
+
+def prompts(seed, lengths):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
+
+
+def send(srv, rid, ids, **sp):
+    r = srv.generate({"rid": rid, "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, **sp}})
+    assert r.status_code == 200, r.text
+    return r.json()["meta_info"]
+
+
+def rows(out, rid):
+    e = {x["id"]: x for x in read_manifest(out)}[rid]
+    t = load_sample(os.path.join(out, e["path"]))
+    return t, torch.cat([t["aux_hidden_states"], t["final_hidden_states"][:, None]], 1).float()
+
+
+def test_graphs_on_and_off_agree_and_match_hf(servers):
+    on, off = servers
+    lengths = [1, 7, 100, 511, 512, 513, 1500, 3000]  # up to 6 chunks of 512
+    worst = 0.0
+    for i, ids in enumerate(prompts(0, lengths)):
+        for s in (on, off):
+            send(s, f"seq-{i}", ids)
+        (ta, a), (tb, b) = rows(on.out, f"seq-{i}"), rows(off.out, f"seq-{i}")
+        assert ta["token_ids"].tolist() == ids == tb["token_ids"].tolist()
+        rel = float((a - b).norm() / b.norm())
+        worst = max(worst, rel)
+    record("graphs_on_vs_off_max_rel_diff", worst)
+    assert worst < 2e-2, worst
+    for name, s in (("graphs_on", on), ("graphs_off", off)):
+        rep = verify_export(s.out, samples=None, device="cuda")
+        print(name, "\n" + rep.table())
+        record(f"hf_{name}", rep.to_dict())
+        assert rep.ok, rep.table()
+
+
+def test_prefix_cache_and_64_concurrent_mixed_lengths(servers):
+    on, _ = servers
+    base, = prompts(1, [1200])
+    for rid in ("twice-a", "twice-b"):
+        assert send(on, rid, base)["cached_tokens"] == 0
+    for j, tail in enumerate(prompts(2, [5, 300])):
+        send(on, f"shared-{j}", base[:700] + tail)
+    assert torch.equal(rows(on.out, "twice-a")[1], rows(on.out, "twice-b")[1])
+    lengths = [random.Random(i).randrange(8, 4000) for i in range(64)]
+    ps = prompts(3, lengths)
+    with cf.ThreadPoolExecutor(64) as ex:
+        list(ex.map(lambda i: send(on, f"conc-{i}", ps[i], max_new_tokens=1 + i % 8), range(64)))
+    rep = validate_export(on.out, expected_tokens={f"conc-{i}": ps[i] for i in range(64)})
+    assert rep.ok, rep.errors
+    ver = verify_export(on.out, samples=None, device="cuda")
+    print(ver.table())
+    record("hf_graphs_on_after_concurrency", ver.to_dict())
+    assert ver.ok, ver.table()
+    # The log shows this rank copying asynchronously (no per-request .cpu()): copies counted.
+    stats = [ln for ln in open(on.log_path) if "sglang-hs stats:" in ln]
+    record("server_stats_tail", stats[-1] if stats else None)
