@@ -23,6 +23,31 @@ def main(argv=None) -> None:
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     d = sub.add_parser("demo", help="SmolLM2-135M on CPU: serve, export, verify, report")
     d.add_argument("--work-dir", default=".cache")
+    c = sub.add_parser("capture", help="send a chat dataset through exporting servers (resumable)")
+    c.add_argument("--server", action="append", required=True, help="server URL (repeat for several)")
+    c.add_argument("--data", required=True, help="JSONL file or a datasets.save_to_disk folder")
+    c.add_argument("--out", required=True, help="where the capture journal lives (use the export dir)")
+    c.add_argument("--tokenizer", help="default: the server's model path")
+    c.add_argument("--concurrency", type=int, default=32)
+    c.add_argument("--max-length", type=int, help="keep the first N tokens of longer samples")
+    c.add_argument("--last-turn-only", action="store_true", help="loss mask on the last assistant turn only")
+    c.add_argument("--mask-reasoning", action="store_true", help="loss mask 0 on <think>...</think> spans")
+    c.add_argument("--regenerate", action="store_true", help="let the target model write the assistant turns first")
+    c.add_argument("--max-new-tokens", type=int, default=1024, help="for --regenerate")
+    c.add_argument("--temperature", type=float, default=0.0, help="for --regenerate")
+    c.add_argument("--retries", type=int, default=5)
+    c.add_argument("--id-prefix", default="")
+    c.add_argument("--limit", type=int, help="only the first N records")
+    c.add_argument("--no-progress", action="store_true")
+    i = sub.add_parser("inspect", help="summary of an export directory")
+    i.add_argument("dir")
+    i.add_argument("--json", action="store_true")
+    k = sub.add_parser("convert", help="write a trainer's layout")
+    k.add_argument("dir")
+    k.add_argument("--to", choices=["specforge", "speculators"], required=True)
+    k.add_argument("dest")
+    k.add_argument("--model", help="speculators: checkpoint holding the final norm weight "
+                                   "(default: model_path in export.json)")
     a = p.parse_args(argv)
     if a.cmd == "verify":
         from sglang_hs.verify import verify_export
@@ -39,6 +64,41 @@ def main(argv=None) -> None:
                 print("format error:", e)
             print("OK" if rep.ok else "FAILED")
         sys.exit(0 if rep.ok else 1)
+    if a.cmd == "capture":
+        from sglang_hs.client import CaptureConfig, capture
+
+        cfg = CaptureConfig(servers=a.server, data=a.data, out=a.out, tokenizer=a.tokenizer,
+                            concurrency=a.concurrency, max_length=a.max_length, last_turn_only=a.last_turn_only,
+                            mask_reasoning=a.mask_reasoning, regenerate=a.regenerate,
+                            max_new_tokens=a.max_new_tokens, temperature=a.temperature, retries=a.retries,
+                            id_prefix=a.id_prefix, limit=a.limit, progress=not a.no_progress)
+        summ = capture(cfg)
+        print(f"[capture] {summ.line()}")
+        sys.exit(130 if summ.interrupted else (1 if summ.failed else 0))
+    if a.cmd == "inspect":
+        import json
+
+        from sglang_hs.convert import inspect_export
+        from sglang_hs.format import human_bytes
+
+        r = inspect_export(a.dir)
+        if a.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"{r['dir']}: {r['samples']} samples, {r['tokens']} tokens, {human_bytes(r['bytes'])}, "
+                  f"aux layers {r['aux_layer_ids']} + final, {r['dtype']}, hidden {r['hidden_size']}")
+            for k_, v in r["length_histogram"].items():
+                print(f"  {k_:>12} tokens: {v}")
+            if r["failed_ids"]:
+                print(f"  failed in capture: {len(r['failed_ids'])}: {', '.join(r['failed_ids'][:20])}")
+        return
+    if a.cmd == "convert":
+        from sglang_hs import convert
+
+        n = (convert.to_specforge(a.dir, a.dest) if a.to == "specforge"
+             else convert.to_speculators(a.dir, a.dest, a.model))
+        print(f"wrote {n} samples in the {a.to} layout to {a.dest}")
+        return
     if a.cmd == "demo":
         from sglang_hs.demo import run_demo
 

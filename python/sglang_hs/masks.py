@@ -1,0 +1,90 @@
+"""Token ids and loss masks from the model's own chat template.
+
+The mask is 1 on what the assistant produces (its content and the template's end-of-turn
+marker, which the model must learn to emit) and 0 on system/user turns and on the assistant
+header. Spans are found in the rendered text, then mapped to tokens by their offsets:
+
+- where the template renders each turn as a prefix of the whole conversation (ChatML as in
+  SmolLM2 and Qwen 2.5, Llama 3, DeepSeek V3 / Kimi K2), an assistant turn spans from the end
+  of "conversation so far + generation prompt" to the end of "conversation so far + the turn";
+- where it rewrites earlier turns (Qwen 3 drops the reasoning of past turns), the turn's
+  content is located in the rendered text, plus the special token that closes it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Sequence, Tuple
+
+THINK = re.compile(r"<think>.*?</think>", re.S)
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def _text(tok, messages, add_generation_prompt: bool, **kw) -> str:
+    return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+
+
+def _assistant_spans(tok, messages, text: str, turns: List[int], **kw) -> List[Tuple[int, int]]:
+    spans = []
+    cursor = 0
+    specials = sorted(set(tok.all_special_tokens) | set(getattr(tok, "added_tokens_encoder", {})), key=len,
+                      reverse=True)
+    for i in turns:
+        upto = _text(tok, messages[: i + 1], False, **kw)
+        if text.startswith(upto):
+            start = len(_text(tok, messages[:i], True, **kw))
+            end = len(upto.rstrip("\n"))  # the turn's closing marker, not the newline after it
+            spans.append((start, end))
+            cursor = end
+            continue
+        content = str(messages[i].get("content") or "")
+        for candidate in (content.strip(), THINK.sub("", content).strip()):
+            at = text.find(candidate, cursor) if candidate else -1
+            if at >= 0:
+                end = at + len(candidate)
+                rest = text[end:].lstrip(" ")
+                closing = next((s for s in specials if rest.startswith(s)), "")
+                end = len(text) - len(rest) + len(closing) if closing else end
+                spans.append((at, end))
+                cursor = end
+                break
+        else:
+            raise TemplateError(f"cannot find assistant turn {i} in the rendered conversation; "
+                                "pass pre-tokenized input_ids with your own loss_mask")
+    return spans
+
+
+def chat_ids_and_mask(tok, messages: Sequence[dict], last_turn_only: bool = False,
+                      mask_reasoning: bool = False, **template_kwargs) -> Tuple[List[int], List[int]]:
+    """(token ids of the whole conversation, loss mask of the same length).
+
+    last_turn_only: only the final assistant turn is trained on.
+    mask_reasoning: `<think>...</think>` spans inside assistant turns get mask 0 (they stay
+    in the tokens unless the template itself drops them).
+    """
+    messages = [dict(m) for m in messages]
+    text = _text(tok, messages, False, **template_kwargs)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if last_turn_only:
+        turns = turns[-1:]
+    spans = _assistant_spans(tok, messages, text, turns, **template_kwargs)
+    holes = [m.span() for a, b in spans for m in THINK.finditer(text, a, b)] if mask_reasoning else []
+
+    def inside(pos, ranges):
+        return any(a <= pos < b for a, b in ranges)
+
+    mask = [int(inside(s, spans) and not inside(s, holes)) for s, _ in offsets]
+    return ids, mask
+
+
+def truncate(ids: List[int], mask: Optional[List[int]], max_length: Optional[int]):
+    """The truncation policy of `sglang-hs capture --max-length`: keep the first max_length
+    tokens (system prompt and earliest turns), cut the rest."""
+    if max_length is None or len(ids) <= max_length:
+        return ids, mask
+    return ids[:max_length], (mask[:max_length] if mask is not None else None)

@@ -1,0 +1,126 @@
+"""Loss masks from chat templates, checked against hand-built expectations: each expected
+conversation is written out as (text, mask) segments in the family's markup, tokenized piece by
+piece, and must equal what chat_ids_and_mask derives from the template alone."""
+
+import copy
+
+import pytest
+
+from sglang_hs.masks import chat_ids_and_mask, truncate
+
+NL = "\\n"
+# Our own renditions of each family's chat markup (the real templates have more options).
+LLAMA3 = ("{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+          "'<|end_header_id|>" + NL + NL + "' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>" + NL + NL + "' }}{% endif %}")
+QWEN25 = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system" + NL + "You are Qwen.<|im_end|>" + NL + "' }}"
+          "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '" + NL + "' + m['content'] + '<|im_end|>"
+          + NL + "' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant" + NL + "' }}{% endif %}")
+# Qwen 3 drops the reasoning of assistant turns before the last user turn.
+QWEN3 = ("{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+         "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+         "{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and loop.index0 < ns.last "
+         "and '</think>' in c %}{% set c = c.split('</think>')[-1].lstrip() %}{% endif %}"
+         "{{ '<|im_start|>' + m['role'] + '" + NL + "' + c + '<|im_end|>" + NL + "' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant" + NL + "' }}{% endif %}")
+DEEPSEEK_V3 = ("{{ '<｜begin▁of▁sentence｜>' }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+               "{% elif m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}{% else %}"
+               "{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}")
+SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>",
+            "<|im_end|>", "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]
+
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6, of course."},
+]
+
+
+@pytest.fixture(scope="module")
+def base_tok(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    return tok
+
+
+def with_template(tok, template):
+    t = copy.deepcopy(tok)
+    t.chat_template = template
+    return t
+
+
+def expected(tok, segments):
+    """Tokens of the hand-written conversation; each token's bit is that of the segment it
+    starts in (tokenizing piece by piece would split "\n\n4" differently than in context)."""
+    text = "".join(t for t, _ in segments)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    bounds, pos = [], 0
+    for t, bit in segments:
+        bounds.append((pos, pos + len(t), bit))
+        pos += len(t)
+    mask = [next(bit for a, b, bit in bounds if a <= s < b) for s, _ in enc["offset_mapping"]]
+    return list(enc["input_ids"]), mask
+
+
+def test_chatml_smollm2_real_template(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)  # SmolLM2's own template (ChatML)
+    ids, mask = chat_ids_and_mask(tok, CONV)
+    assert (ids, mask) == expected(tok, [
+        ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("4.<|im_end|>", 1), ("\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("6, of course.<|im_end|>", 1), ("\n", 0)])
+
+
+def test_llama3(base_tok):
+    tok = with_template(base_tok, LLAMA3)
+    h = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    assert chat_ids_and_mask(tok, CONV) == expected(tok, [
+        ("<|begin_of_text|>" + h.format("system") + "Be brief.<|eot_id|>" + h.format("user") + "What is 2+2?<|eot_id|>"
+         + h.format("assistant"), 0), ("4.<|eot_id|>", 1),
+        (h.format("user") + "And 3+3?<|eot_id|>" + h.format("assistant"), 0), ("6, of course.<|eot_id|>", 1)])
+
+
+def test_qwen25_default_system_prompt_and_last_turn_only(base_tok):
+    tok = with_template(base_tok, QWEN25)
+    conv = CONV[1:]  # no system turn: the template adds its own
+    segs = [("<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+             "<|im_start|>assistant\n", 0), ("4.<|im_end|>", 1),
+            ("\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n", 0), ("6, of course.<|im_end|>", 1),
+            ("\n", 0)]
+    assert chat_ids_and_mask(tok, conv) == expected(tok, segs)
+    segs[1] = ("4.<|im_end|>", 0)
+    assert chat_ids_and_mask(tok, conv, last_turn_only=True) == expected(tok, segs)
+
+
+def test_deepseek_v3_kimi_k2(base_tok):
+    tok = with_template(base_tok, DEEPSEEK_V3)
+    assert chat_ids_and_mask(tok, CONV) == expected(tok, [
+        ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>What is 2+2?<｜Assistant｜>", 0), ("4.<｜end▁of▁sentence｜>", 1),
+        ("<｜User｜>And 3+3?<｜Assistant｜>", 0), ("6, of course.<｜end▁of▁sentence｜>", 1)])
+
+
+def test_qwen3_reasoning_kept_or_masked_and_history_rewritten(base_tok):
+    tok = with_template(base_tok, QWEN3)
+    conv = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "<think>greet back</think>Hello."},
+            {"role": "user", "content": "Sum 1+1"},
+            {"role": "assistant", "content": "<think>easy</think>2."}]
+    pre = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    mid = "\n<|im_start|>user\nSum 1+1<|im_end|>\n<|im_start|>assistant\n"
+    # The template drops the first turn's reasoning; the last turn keeps it.
+    assert chat_ids_and_mask(tok, conv) == expected(tok, [
+        (pre, 0), ("Hello.<|im_end|>", 1), (mid, 0), ("<think>easy</think>2.<|im_end|>", 1), ("\n", 0)])
+    assert chat_ids_and_mask(tok, conv, mask_reasoning=True) == expected(tok, [
+        (pre, 0), ("Hello.<|im_end|>", 1), (mid, 0), ("<think>easy</think>", 0), ("2.<|im_end|>", 1), ("\n", 0)])
+
+
+def test_truncation_keeps_the_first_tokens():
+    assert truncate([1, 2, 3, 4], [0, 1, 1, 1], 3) == ([1, 2, 3], [0, 1, 1])
+    assert truncate([1, 2], None, 3) == ([1, 2], None)
