@@ -227,3 +227,22 @@ def test_full_disk_fails_that_request_and_the_server_keeps_serving(full_disk_ser
             os.remove(os.path.join(srv.out, e["path"]))
     r = export(srv, "after-full", [5, 6, 7])
     assert r.status_code == 200, r.text
+
+
+def test_smollm2_bf16_rows_match_hf(smollm2_path, tmp_path):
+    """The embedded default model, in its own dtype (bf16), with its chat template."""
+    from transformers import AutoTokenizer
+
+    from sglang_hs.demo import demo_conversations
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    convs = demo_conversations()[:8]
+    out = str(tmp_path / "smol")
+    with Server(["--model-path", smollm2_path, "--export-hidden-states-dir", out, "--skip-server-warmup",
+                 "--chunked-prefill-size", "32"], str(tmp_path / "server.log")) as srv:
+        for i, c in enumerate(convs):
+            ids = list(tok.apply_chat_template(c["messages"], tokenize=True, add_generation_prompt=True,
+                                               return_dict=True)["input_ids"])
+            assert export(srv, f"smol-{i}", ids).status_code == 200
+    rep = assert_exact_vs_hf(out)
+    assert rep.samples == 8 and all(p.mean_cos >= 0.999 for p in rep.planes)
