@@ -65,9 +65,8 @@ class ReqExport:
     next_pos: int = 0  # prompt positions [0, next_pos) have gone through a forward
     done: bool = False  # the sample was handed to the writer (or failed); never export again
     error: Optional[str] = None
-    chunks: List[torch.Tensor] = dataclasses.field(default_factory=list)  # writer only
+    chunks: List["Piece"] = dataclasses.field(default_factory=list)  # writer only, in prompt order
     rows_held: int = 0
-    reserved: int = 0  # host-budget bytes held for this request's rows (writer only)
     # Device->host copies still in flight for these rows (CUDA events); the writer waits on them.
     ready: List[Any] = dataclasses.field(default_factory=list)
     aborted: Callable[[], bool] = lambda: False
@@ -89,20 +88,52 @@ class ReqExport:
         self.error = message
         self.done = True
 
-    def add_rows(self, start: int, rows: torch.Tensor) -> None:
-        """Rows for prompt positions [start, start+len(rows)); a restart at start < held
-        (re-prefill after retraction) replaces the overlap instead of duplicating it."""
+    def add_rows(self, start: int, pieces: Sequence["Piece"]) -> None:
+        """Rows for prompt positions [start, ...); a restart at start < held (re-prefill
+        after retraction) replaces the overlap instead of duplicating it."""
         if start < self.rows_held:
             keep, kept = start, []
             for c in self.chunks:
-                if keep <= 0:
-                    break
-                kept.append(c[:keep])
-                keep -= c.shape[0]
+                if keep > 0:
+                    kept.append(c.head(keep))
+                    keep -= c.rows
+                else:
+                    c.release()
             self.chunks, self.rows_held = kept, start
         assert start == self.rows_held, (start, self.rows_held)
-        self.chunks.append(rows)
-        self.rows_held += rows.shape[0]
+        for p in pieces:
+            self.chunks.append(p)
+            self.rows_held += p.rows
+
+    def release(self) -> None:
+        """Give the rows' host memory back (after the write, or when the sample is dropped)."""
+        for c in self.chunks:
+            c.release()
+        self.chunks.clear()
+        self.ready.clear()
+        self.rows_held = 0
+
+
+@dataclasses.dataclass
+class Piece:
+    """Consecutive rows of one request in host memory: aux [r, K, H] and final [r, H], both
+    contiguous (so they stream to the file without a copy), and the slab that holds them."""
+
+    aux: torch.Tensor
+    final: torch.Tensor
+    slab: Any = None  # sglang_hs.writer.Slab, reference-counted
+
+    @property
+    def rows(self) -> int:
+        return self.aux.shape[0]
+
+    def head(self, n: int) -> "Piece":
+        return Piece(self.aux[:n], self.final[:n], self.slab) if n < self.rows else self
+
+    def release(self) -> None:
+        if self.slab is not None:
+            self.slab.unref()
+            self.slab = None
 
 
 @dataclasses.dataclass
@@ -150,8 +181,9 @@ def plan_forward(
 AuxStates = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-def gather_rows(final: torch.Tensor, aux: AuxStates, index: torch.Tensor, num_aux: int) -> torch.Tensor:
-    """[n, K+1, H] on the forward's device: the K aux planes then the final plane.
+def gather_rows(final: torch.Tensor, aux: AuxStates, index: torch.Tensor, num_aux: int):
+    """(aux [n, K, H], final [n, H]) on the forward's device, rows in `index` order, each
+    contiguous, so every request's rows are two contiguous blocks.
 
     `aux` is SGLang's list of K [N, H] tensors or its packed [N, K*H] buffer."""
     if isinstance(aux, torch.Tensor):
@@ -160,36 +192,46 @@ def gather_rows(final: torch.Tensor, aux: AuxStates, index: torch.Tensor, num_au
         if len(aux) != num_aux:
             raise RuntimeError(f"model captured {len(aux)} aux layers, expected {num_aux}")
         aux_rows = torch.stack([a.index_select(0, index) for a in aux], dim=1)
-    return torch.cat([aux_rows, final.index_select(0, index).unsqueeze(1)], dim=1)
+    return aux_rows, final.index_select(0, index)
 
 
-def split_rows(host_rows: torch.Tensor, segments: Sequence[Segment], ready: Any = None) -> List[ReqExport]:
-    """Hand each segment its rows (and their share of the host budget, and the event that
-    says the rows have landed); return the requests whose prompt is now complete."""
+def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any = None) -> List[ReqExport]:
+    """Hand each segment its rows out of the forward's staged pieces (which hold the
+    exported rows back to back, in segment order); return the requests whose prompt is now
+    complete. Each piece's slab gains one reference per segment that uses it."""
     complete = []
-    off = 0
-    row_bytes = host_rows[0].numel() * host_rows.element_size() if host_rows.shape[0] else 0
+    it = iter(staged)
+    cur, pos = None, 0  # current staged piece, rows of it already handed out
     for seg in segments:
-        st = seg.state
+        st, need, pieces = seg.state, seg.num_rows, []
+        while need:
+            if cur is None or pos == cur.rows:
+                cur, pos = next(it), 0
+            take = min(need, cur.rows - pos)
+            if cur.slab is not None:
+                cur.slab.ref()
+            pieces.append(Piece(cur.aux[pos:pos + take], cur.final[pos:pos + take], cur.slab))
+            pos += take
+            need -= take
         if st.done:  # failed meanwhile
-            off += seg.num_rows
+            for p in pieces:
+                p.release()
             continue
-        st.add_rows(seg.start, host_rows[off : off + seg.num_rows])
-        st.reserved += seg.num_rows * row_bytes
+        st.add_rows(seg.start, pieces)
         if ready is not None:
             st.ready.append(ready)
-        off += seg.num_rows
         if st.rows_held == st.prompt_len:
             complete.append(st)
     return complete
 
 
-def build_sample(st: ReqExport, num_aux: int) -> Dict[str, torch.Tensor]:
-    rows = st.chunks[0] if len(st.chunks) == 1 else torch.cat(st.chunks, dim=0)
-    tensors = {
+def build_sample(st: ReqExport) -> Dict[str, Union[torch.Tensor, List[torch.Tensor]]]:
+    """The sample's tensors for `format.write_sample_file`: lists of pieces are written one
+    after the other (the rows of successive chunks), never concatenated in memory."""
+    tensors: Dict[str, Union[torch.Tensor, List[torch.Tensor]]] = {
         "token_ids": torch.tensor(list(st.prompt_ids), dtype=torch.int64),
-        "aux_hidden_states": rows[:, :num_aux],
-        "final_hidden_states": rows[:, num_aux],
+        "aux_hidden_states": [c.aux for c in st.chunks],
+        "final_hidden_states": [c.final for c in st.chunks],
     }
     if st.options.loss_mask is not None:
         if len(st.options.loss_mask) != st.prompt_len:

@@ -10,12 +10,12 @@ import json
 import math
 import os
 import re
+import struct
 import uuid
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 FORMAT_VERSION = "sglang-hs/1"
 EXPORT_JSON = "export.json"
@@ -58,7 +58,42 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_sample_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: Dict[str, str]) -> int:
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
+              torch.int32: "I32", torch.uint8: "U8"}
+
+Parts = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _stream_safetensors(fd: int, tensors: Mapping[str, Parts], metadata: Dict[str, str]) -> None:
+    """The safetensors layout (8-byte header size, JSON header, raw bytes), written straight
+    from the tensors' memory: a value may be a list of pieces stored one after the other as
+    one tensor (rows of successive chunks), so nothing is concatenated or copied in memory."""
+    header: Dict[str, object] = {"__metadata__": dict(metadata)}
+    order, offset = [], 0
+    for name in sorted(tensors):
+        parts = tensors[name]
+        parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+        first = parts[0]
+        shape = [sum(p.shape[0] for p in parts), *first.shape[1:]] if first.dim() else []
+        nbytes = sum(p.numel() * p.element_size() for p in parts)
+        header[name] = {"dtype": _ST_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        order += parts
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    _write_all(fd, struct.pack("<Q", len(raw)) + raw)
+    for p in order:
+        if p.numel():
+            _write_all(fd, p.contiguous().view(torch.uint8).numpy())
+
+
+def write_sample_file(path: str, tensors: Mapping[str, Parts], metadata: Dict[str, str]) -> int:
     """Write atomically and never over an existing sample: temp file, fsync, link, fsync dir.
 
     Returns the file size. Raises DuplicateSampleError if `path` exists; on any error the
@@ -66,13 +101,13 @@ def write_sample_file(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     """
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    # Serialize in memory and write ourselves, so a full disk is an OSError with its errno.
-    data = save(dict(tensors), metadata=metadata)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _stream_safetensors(fd, tensors, metadata)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         try:
             os.link(tmp, path)  # atomic, and fails instead of overwriting
         except FileExistsError:

@@ -13,6 +13,7 @@ import torch
 
 from sglang_hs.capture import (
     AuxStates,
+    Piece,
     ReqExport,
     Segment,
     gather_rows,
@@ -29,32 +30,35 @@ logger = logging.getLogger("sglang_hs.runtime")
 class _Forward:
     rows: List[int]
     segments: List[Segment]
-    host: Optional[torch.Tensor] = None
-    ready: Optional[object] = None  # CUDA event: the host rows have landed
-    reserved: int = 0
+    staged: Optional[List[Piece]] = None  # the exported rows in host slabs, in segment order
+    ready: Optional[object] = None  # CUDA event: the staged rows have landed
 
 
 class DeviceStager:
     """Device->host copies of exported rows without stalling the forward loop.
 
-    The rows are gathered on the forward stream, then a side stream copies them into pinned
-    host memory (PyTorch's caching host allocator: a reusable pool, whose live size the host
-    budget bounds) and records an event. Only the writer thread waits on that event.
+    The rows are gathered on the forward stream; a side stream then copies them into pinned
+    slabs and records an event. Only the writer thread waits on that event.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def copy(self, rows: torch.Tensor):
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    def copy(self, aux: torch.Tensor, final: torch.Tensor, pieces: List[Piece]):
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            host.copy_(rows, non_blocking=True)
+            a = 0
+            for p in pieces:
+                p.aux.copy_(aux[a:a + p.rows], non_blocking=True)
+                p.final.copy_(final[a:a + p.rows], non_blocking=True)
+                a += p.rows
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        rows.record_stream(self.stream)  # keep the device rows alive until the copy is done
-        return host, ready
+        # Keep the gathered device rows alive until the side stream has read them.
+        aux.record_stream(self.stream)
+        final.record_stream(self.stream)
+        return ready
 
 
 class ExportRuntime:
@@ -94,34 +98,60 @@ class ExportRuntime:
     def capture(self, final: torch.Tensor, aux: Optional[AuxStates]) -> None:
         """Called inside the model's LogitsProcessor with every row of the forward."""
         fwd = self._fwd
-        if fwd is None or fwd.host is not None:
+        if fwd is None or fwd.staged is not None:
             return
         if aux is None:
             raise RuntimeError("sglang-hs: aux hidden-state capture is off in this forward")
-        n, hidden = len(fwd.rows), final.shape[-1]
-        fwd.reserved = n * (self.num_aux + 1) * hidden * final.element_size()
-        self.writer.budget.reserve(fwd.reserved)
         index = torch.tensor(fwd.rows, dtype=torch.long)
-        if final.device.type == "cpu":
-            fwd.host = gather_rows(final, aux, index, self.num_aux)
-        else:
-            rows = gather_rows(final, aux, index.pin_memory().to(final.device, non_blocking=True), self.num_aux)
+        on_gpu = final.device.type == "cuda"
+        if on_gpu:
+            index = index.pin_memory().to(final.device, non_blocking=True)
+        aux_rows, final_rows = gather_rows(final, aux, index, self.num_aux)
+        fwd.staged = self._slab_pieces(len(fwd.rows), final_rows.shape[-1], final_rows.dtype)
+        if on_gpu:
             if self._stager is None:
                 self._stager = DeviceStager(final.device)
-            fwd.host, fwd.ready = self._stager.copy(rows)
+            fwd.ready = self._stager.copy(aux_rows, final_rows, fwd.staged)
+        else:
+            a = 0
+            for p in fwd.staged:
+                p.aux.copy_(aux_rows[a:a + p.rows])
+                p.final.copy_(final_rows[a:a + p.rows])
+                a += p.rows
         self.copies += 1
+
+    def _slab_pieces(self, n: int, hidden: int, dtype: torch.dtype) -> List[Piece]:
+        """Host slabs for n rows: each holds r rows as aux [r, K, H] then final [r, H]."""
+        pool, k = self.writer.pool, self.num_aux
+        es = torch.empty((), dtype=dtype).element_size()
+        per_slab = pool.slab_bytes // ((k + 1) * hidden * es)
+        if per_slab < 1:
+            raise RuntimeError(f"sglang-hs: one row ({(k + 1) * hidden * es} bytes) exceeds a slab")
+        pieces, a = [], 0
+        while a < n:
+            r = min(per_slab, n - a)
+            slab = pool.take()
+            aux_bytes = r * k * hidden * es
+            aux = slab.data[:aux_bytes].view(dtype).view(r, k, hidden)
+            fin = slab.data[aux_bytes:aux_bytes + r * hidden * es].view(dtype).view(r, hidden)
+            pieces.append(Piece(aux, fin, slab))
+            a += r
+        return pieces
 
     def end_forward(self) -> None:
         fwd, self._fwd = self._fwd, None
         if fwd is None:
             return
-        if fwd.host is None:
+        if fwd.staged is None:
             for seg in fwd.segments:
                 seg.state.fail("the forward produced no hidden states for this request "
                                "(the model bypassed its LogitsProcessor)")
                 self._fail(seg.state)
             return
-        for st in split_rows(fwd.host, fwd.segments, fwd.ready):
+        complete = split_rows(fwd.staged, fwd.segments, fwd.ready)
+        for p in fwd.staged:  # the forward's own hold; the requests now hold the slabs
+            p.release()
+        for st in complete:
             st.done = True
             self._in_progress.pop(id(st), None)
             self.writer.submit(st, st.aborted)
@@ -135,17 +165,16 @@ class ExportRuntime:
 
     def stats(self) -> dict:
         w = self.writer
-        d = {"copies": self.copies, "writer": dict(w.stats), "host_budget_peak": w.budget.peak,
-             "host_budget_limit": w.budget.limit, "backpressure_wait_s": round(w.budget.waited_s, 3)}
-        if self._stager is not None:
-            d["pinned"] = {k: v for k, v in torch.cuda.host_memory_stats().items() if "bytes" in k}
-        return d
+        return {"copies": self.copies, "writer": dict(w.stats), "host": w.pool.stats()}
 
     def abort_forward(self) -> None:
         """The forward raised: its rows never arrived, so the affected samples fail."""
         fwd, self._fwd = self._fwd, None
         if fwd is not None:
-            self.writer.budget.release(fwd.reserved, queued=False)
+            if fwd.ready is not None:
+                fwd.ready.synchronize()
+            for p in fwd.staged or []:
+                p.release()
             for seg in fwd.segments:
                 seg.state.fail("the forward pass failed; see the server log")
                 self._fail(seg.state)

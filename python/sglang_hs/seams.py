@@ -223,7 +223,7 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
     import sglang
 
     from sglang_hs.notify import Notifier
-    from sglang_hs.writer import HostBudget, SampleWriter
+    from sglang_hs.writer import SampleWriter, SlabPool
 
     sa = runner.server_args
     info = {
@@ -250,7 +250,8 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
     else:
         check_compatible(existing, info)
     dp = runner.ps.attn_dp_rank if sa.enable_dp_attention else (runner.ps.dp_rank or 0)
-    return SampleWriter(cfg.out_dir, f"dp{dp}", ids, HostBudget(cfg.host_buffer_bytes),
+    pool = SlabPool(cfg.host_buffer_bytes, pin=str(runner.device).startswith("cuda"))
+    return SampleWriter(cfg.out_dir, f"dp{dp}", ids, pool,
                         Notifier(cfg.notify_addr), threads=cfg.writer_threads)
 
 

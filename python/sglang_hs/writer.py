@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import queue
 import re
 import threading
 import time
-import json
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
 
 from sglang_hs.capture import ReqExport, RequestOptionsError, build_sample
 from sglang_hs.format import (
@@ -29,44 +31,94 @@ logger = logging.getLogger("sglang_hs.writer")
 Notify = Callable[[dict], None]
 
 
-class HostBudget:
-    """Bytes of exported rows held in host memory, from device copy until on disk.
+SLAB_BYTES = 32 << 20
 
-    `reserve` blocks the forward loop while the budget is full and the writer has queued work
-    that will free it. Rows of prompts still being chunk-prefilled cannot be written yet, so
-    if they alone fill the budget we let the forward go on rather than deadlock: the excess is
-    bounded by the in-progress chunked prompts (one per scheduler in SGLang).
+
+class Slab:
+    """A fixed-size block of (pinned) host memory holding rows of several requests; returned
+    to its pool when the last request using it has been written or dropped."""
+
+    __slots__ = ("data", "pool", "refs", "pooled")
+
+    def __init__(self, data: torch.Tensor, pool: "SlabPool", pooled: bool):
+        self.data, self.pool, self.refs, self.pooled = data, pool, 0, pooled
+
+    def ref(self) -> None:
+        with self.pool._cv:
+            self.refs += 1
+
+    def unref(self) -> None:
+        with self.pool._cv:
+            self.refs -= 1
+            if self.refs == 0:
+                self.pool._give(self)
+
+
+class SlabPool:
+    """Bounded, reusable host memory for exported rows, from device copy until on disk.
+
+    At most limit/slab_bytes slabs are ever allocated (pinned on a GPU, so device->host copies
+    are asynchronous); all have one size, so they are reused without fragmentation. When none
+    is free, `take` blocks the forward loop (back-pressure) as long as the writer has queued
+    samples whose slabs it will free. Rows of prompts still being chunk-prefilled cannot be
+    written yet; if they alone hold every slab, waiting would deadlock, so an unpooled
+    (pageable, freed after use) slab is handed out instead and counted as overflow.
     """
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.held = 0
+    def __init__(self, limit_bytes: int, slab_bytes: int = SLAB_BYTES, pin: bool = False):
+        self.slab_bytes = slab_bytes
+        self.max_slabs = max(1, limit_bytes // slab_bytes)
+        self.pin = pin
+        self.pooled = 0
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.overflow = 0
         self.queued = 0
-        self.peak = 0
         self.waited_s = 0.0
+        self._free: List[Slab] = []
         self._cv = threading.Condition()
 
-    def reserve(self, n: int) -> None:
+    def take(self) -> Slab:
         with self._cv:
             t0 = None
-            while self.held + n > self.limit and self.queued > 0:
+            while not self._free and self.pooled >= self.max_slabs and self.queued > 0:
                 t0 = t0 or time.perf_counter()
                 self._cv.wait(timeout=1.0)
             if t0:
                 self.waited_s += time.perf_counter() - t0
-            self.held += n
-            self.peak = max(self.peak, self.held)
+            if self._free:
+                slab = self._free.pop()
+            elif self.pooled < self.max_slabs:
+                self.pooled += 1
+                slab = Slab(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin), self, True)
+            else:
+                self.overflow += 1
+                slab = Slab(torch.empty(self.slab_bytes, dtype=torch.uint8), self, False)
+            slab.refs = 1
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return slab
 
-    def enqueue(self, n: int) -> None:
-        with self._cv:
-            self.queued += n
+    def _give(self, slab: Slab) -> None:  # called with the lock held
+        self.in_use -= 1
+        if slab.pooled:
+            self._free.append(slab)
+        self._cv.notify_all()
 
-    def release(self, n: int, queued: bool) -> None:
+    def enqueue(self) -> None:
         with self._cv:
-            self.held -= n
-            if queued:
-                self.queued -= n
+            self.queued += 1
+
+    def dequeue(self) -> None:
+        with self._cv:
+            self.queued -= 1
             self._cv.notify_all()
+
+    def stats(self) -> dict:
+        return {"slab_bytes": self.slab_bytes, "max_slabs": self.max_slabs, "pinned": self.pin,
+                "host_bytes_allocated": self.pooled * self.slab_bytes,
+                "host_bytes_peak_in_use": self.peak_in_use * self.slab_bytes, "overflow_slabs": self.overflow,
+                "backpressure_wait_s": round(self.waited_s, 3)}
 
 
 class SampleWriter:
@@ -75,14 +127,14 @@ class SampleWriter:
         out_dir: str,
         writer_tag: str,
         aux_layer_ids: Sequence[int],
-        budget: HostBudget,
+        pool: SlabPool,
         notify: Notify,
         threads: int = 2,
     ):
         self.out_dir = out_dir
         self.tag = writer_tag
         self.aux_layer_ids = list(aux_layer_ids)
-        self.budget = budget
+        self.pool = pool
         self.notify = notify
         self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
         self._lock = threading.Lock()
@@ -124,17 +176,14 @@ class SampleWriter:
             self._in_shard -= 1
 
     def submit(self, st: ReqExport, aborted: Callable[[], bool]) -> None:
-        self.budget.enqueue(st.reserved)
+        self.pool.enqueue()
         self._q.put((st, aborted))
 
     def drop(self, st: ReqExport) -> None:
         """Forget a request's rows (aborted or failed mid-prefill); nothing is written."""
         for ev in st.ready:  # the copy engine may still be writing into these rows
             ev.synchronize()
-        self.budget.release(st.reserved, queued=False)
-        st.chunks.clear()
-        st.ready.clear()
-        st.rows_held = st.reserved = 0
+        st.release()
 
     def _run(self) -> None:
         while True:
@@ -149,10 +198,8 @@ class SampleWriter:
                 self.notify({"rid": st.rid, "ok": False, "status": 500,
                              "error": f"internal error writing sample {st.rid}: {e!r}"})
             finally:
-                st.chunks.clear()
-                st.ready.clear()
-                self.budget.release(st.reserved, queued=True)
-                st.reserved = 0
+                st.release()
+                self.pool.dequeue()
                 self._q.task_done()
 
     def _write(self, st: ReqExport, aborted: Callable[[], bool]) -> None:
@@ -165,8 +212,7 @@ class SampleWriter:
                 msg["aborted"] = True
                 self.notify(msg)
                 return
-            k = len(self.aux_layer_ids)
-            tensors = {name: t.contiguous() for name, t in build_sample(st, k).items()}
+            tensors = build_sample(st)
             meta = {
                 "format": FORMAT_VERSION,
                 "id": st.rid,

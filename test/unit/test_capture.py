@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from sglang_hs.capture import (
+    Piece,
     ReqExport,
     RequestOptions,
     RequestOptionsError,
@@ -28,18 +29,23 @@ def forward_rows(positions_per_req):
     return torch.stack(rows) if rows else torch.zeros(0, K + 1, H)
 
 
-def run(states, prefix, extend):
-    """One forward: plan, make rows for every extend token, capture the planned ones."""
+def run(states, prefix, extend, piece_rows=3):
+    """One forward: plan, make rows for every extend token, stage the planned ones in pieces
+    of `piece_rows` rows (as slabs would), and hand them to the requests."""
     rows, segs, failed = plan_forward(states, prefix, extend)
     positions = [list(range(p, p + e)) for p, e in zip(prefix, extend)]
     all_rows = forward_rows(positions)
     host = all_rows[torch.tensor(rows, dtype=torch.long)] if rows else all_rows
-    done = split_rows(host, segs) if segs else []
+    staged = [Piece(host[a:a + piece_rows, :K].contiguous(), host[a:a + piece_rows, K].contiguous())
+              for a in range(0, host.shape[0], piece_rows)]
+    done = split_rows(staged, segs) if segs else []
     return done, failed
 
 
 def positions_of(st, r):
-    rows = torch.cat(st.chunks)
+    rows = torch.cat([c.aux for c in st.chunks])
+    finals = torch.cat([c.final for c in st.chunks])
+    assert torch.allclose(finals[:, 0] - rows[:, 0, 0], torch.full((rows.shape[0],), 0.1 * K), atol=1e-2)
     return (rows[:, 0, 0] - r * 1000).round().long().tolist()
 
 
@@ -107,22 +113,24 @@ def test_gather_rows_list_and_packed_aux_agree():
     final = torch.randn(n, H)
     aux = [torch.randn(n, H) for _ in range(K)]
     idx = torch.tensor([4, 1, 2])
-    a = gather_rows(final, aux, idx, K)
-    b = gather_rows(final, torch.cat(aux, dim=-1), idx, K)
-    assert a.shape == (3, K + 1, H) and torch.equal(a, b)
-    assert torch.equal(a[:, K], final[idx]) and torch.equal(a[:, 0], aux[0][idx])
+    a_aux, a_fin = gather_rows(final, aux, idx, K)
+    b_aux, b_fin = gather_rows(final, torch.cat(aux, dim=-1), idx, K)
+    assert a_aux.shape == (3, K, H) and a_aux.is_contiguous() and a_fin.is_contiguous()
+    assert torch.equal(a_aux, b_aux) and torch.equal(a_fin, b_fin)
+    assert torch.equal(a_fin, final[idx]) and torch.equal(a_aux[:, 0], aux[0][idx])
 
 
 def test_build_sample_shapes_and_loss_mask():
     a = ReqExport(rid="a", prompt_ids=[5, 6, 7], options=RequestOptions(loss_mask=[0, 1, 1]))
     run([a], [0], [3])
-    t = build_sample(a, K)
+    t = build_sample(a)
     assert t["token_ids"].tolist() == [5, 6, 7]
-    assert t["aux_hidden_states"].shape == (3, K, H) and t["final_hidden_states"].shape == (3, H)
+    assert torch.cat(t["aux_hidden_states"]).shape == (3, K, H)
+    assert torch.cat(t["final_hidden_states"]).shape == (3, H)
     assert t["loss_mask"].dtype == torch.uint8 and t["loss_mask"].tolist() == [0, 1, 1]
     a.options.loss_mask = [1]
     with pytest.raises(RequestOptionsError, match="one 0/1 per prompt token"):
-        build_sample(a, K)
+        build_sample(a)
 
 
 def test_request_options():

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from sglang_hs.convert import ExportDataset, inspect_export, to_specforge, to_speculators
 from sglang_hs.format import check_sample_id, write_export_json
 from sglang_hs.records import RecordError, iter_records, sample_id, to_messages, to_sample
-from sglang_hs.writer import HostBudget, SampleWriter
+from sglang_hs.writer import SampleWriter, SlabPool
 from test_writer import complete_state
 
 H, K = 8, 3
@@ -70,13 +70,16 @@ def export_dir(tmp_path, n=3, norm_w=None):
     write_export_json(d, {"format": "sglang-hs/1", "model_path": str(tmp_path / "model"), "architecture": "X",
                           "hidden_size": H, "num_layers": 10, "dtype": "bfloat16", "aux_layer_ids": [2, 5, 7],
                           "final_is_post_norm": True})
-    w = SampleWriter(d, "dp0", [2, 5, 7], HostBudget(1 << 30), lambda m: None)
+    w = SampleWriter(d, "dp0", [2, 5, 7], SlabPool(1 << 20, slab_bytes=1 << 12), lambda m: None)
     for i in range(n):
         st = complete_state(f"s{i}", 4 + i, loss_mask=[0] + [1] * (3 + i))
         if norm_w is not None:  # a final plane that really is RMSNorm(h) * w, as the model makes it
             h = torch.randn(4 + i, H) * 3
-            st.chunks[0][:, K] = (norm_w * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
-        w.budget.reserve(st.reserved)
+            normed = (norm_w * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+            a = 0
+            for c in st.chunks:
+                c.final.copy_(normed[a:a + c.rows])
+                a += c.rows
         w.submit(st, lambda: False)
     w.close()
     return d

@@ -4,23 +4,30 @@ import time
 
 import torch
 
-from sglang_hs.capture import ReqExport, RequestOptions, plan_forward, split_rows
+from sglang_hs.capture import Piece, ReqExport, RequestOptions, plan_forward, split_rows
 from sglang_hs.format import read_manifest, validate_export, write_export_json
-from sglang_hs.writer import HostBudget, SampleWriter
+from sglang_hs.writer import SampleWriter, SlabPool
 
 H, K = 8, 3
 
 
-def complete_state(rid, n, loss_mask=None):
+def complete_state(rid, n, loss_mask=None, pool=None):
+    """A request whose n prompt rows arrived in two chunks, staged in slabs of `pool`."""
     st = ReqExport(rid=rid, prompt_ids=list(range(n)), options=RequestOptions(loss_mask=loss_mask))
-    rows, segs, _ = plan_forward([st], [0], [n])
-    split_rows(torch.randn(n, K + 1, H).bfloat16(), segs)
+    for start, end in ((0, n // 2), (n // 2, n)):
+        _, segs, _ = plan_forward([st], [start], [end - start])
+        if not segs:
+            continue
+        r = end - start
+        slab = pool.take() if pool else None
+        piece = Piece(torch.randn(r, K, H).bfloat16(), torch.randn(r, H).bfloat16(), slab)
+        split_rows([piece], segs)
+        piece.release()  # the forward's own hold
     st.done = True
     return st
 
 
 def submit(w, st, aborted=lambda: False):
-    w.budget.reserve(st.reserved)  # what the runtime does when it copies the rows to the host
     w.submit(st, aborted)
 
 
@@ -29,7 +36,7 @@ def make_writer(d, budget=None):
     write_export_json(d, {"format": "sglang-hs/1", "model_path": "m", "architecture": "X", "hidden_size": H,
                           "num_layers": 10, "dtype": "bfloat16", "aux_layer_ids": [2, 5, 7],
                           "final_is_post_norm": True})
-    w = SampleWriter(d, "dp0", [2, 5, 7], budget or HostBudget(1 << 30), msgs.append, threads=2)
+    w = SampleWriter(d, "dp0", [2, 5, 7], budget or SlabPool(1 << 30, slab_bytes=1 << 16), msgs.append, threads=2)
     return w, msgs
 
 
@@ -37,7 +44,7 @@ def test_writes_files_manifest_and_reports(tmp_path):
     d = str(tmp_path)
     w, msgs = make_writer(d)
     for i in range(20):
-        submit(w, complete_state(f"r{i}", 3 + i, loss_mask=[1] * (3 + i)))
+        submit(w, complete_state(f"r{i}", 3 + i, loss_mask=[1] * (3 + i), pool=w.pool))
     w.close()
     assert sorted(m["rid"] for m in msgs) == sorted(f"r{i}" for i in range(20))
     assert all(m["ok"] for m in msgs)
@@ -45,7 +52,8 @@ def test_writes_files_manifest_and_reports(tmp_path):
     rep = validate_export(d)
     assert rep.ok, rep.errors
     assert rep.tokens == sum(3 + i for i in range(20))
-    assert w.budget.held == 0 and w.budget.queued == 0
+    # Every slab came back to the pool and is reused: none in use, none queued.
+    assert w.pool.in_use == 0 and w.pool.queued == 0 and w.pool.overflow == 0
 
 
 def test_duplicate_id_is_refused_not_overwritten(tmp_path):
@@ -83,24 +91,28 @@ def test_io_error_fails_that_sample_and_the_writer_goes_on(tmp_path):
     assert [e["id"] for e in read_manifest(d)] == ["b"]
 
 
-def test_budget_applies_backpressure_and_never_deadlocks():
-    b = HostBudget(100)
-    b.reserve(80)
-    b.enqueue(80)
-    released = threading.Event()
+def test_pool_is_bounded_applies_backpressure_and_never_deadlocks():
+    pool = SlabPool(3 << 10, slab_bytes=1 << 10)  # three slabs at most
+    held = [pool.take() for _ in range(3)]
+    pool.enqueue()  # the writer has a sample whose slab it will free
+    freed = threading.Event()
 
     def writer():
         time.sleep(0.3)
-        b.release(80, queued=True)
-        released.set()
+        held[0].unref()
+        freed.set()
+        pool.dequeue()
 
     threading.Thread(target=writer).start()
     t0 = time.perf_counter()
-    b.reserve(50)  # must wait for the writer to free the queued 80
-    assert released.is_set() and time.perf_counter() - t0 >= 0.25
-    # Only unfinished (not queued) rows held: going over the limit is allowed, waiting would hang.
-    b.reserve(200)
-    assert b.held == 250 and b.peak == 250
+    again = pool.take()  # waits for the writer
+    assert freed.is_set() and time.perf_counter() - t0 >= 0.25 and again is held[0]
+    # Only unfinished prompts hold slabs and nothing is queued: waiting would hang, so an
+    # unpooled slab is handed out and the pool itself never grows past its limit.
+    extra = pool.take()
+    assert not extra.pooled and pool.overflow == 1 and pool.pooled == 3
+    extra.unref()
+    assert pool.stats()["host_bytes_allocated"] == 3 << 10
 
 
 def test_shards_hold_at_most_files_per_shard(tmp_path, monkeypatch):
@@ -131,7 +143,8 @@ class SlowCopy:
     def synchronize(self):
         time.sleep(0.05)
         for c in self.st.chunks:
-            c.fill_(self.value)  # the copy lands
+            c.aux.fill_(self.value)  # the copy lands
+            c.final.fill_(self.value)
         self.waited = True
 
 
@@ -140,7 +153,8 @@ def test_writer_waits_for_the_device_copy_before_reading_rows(tmp_path):
     w, msgs = make_writer(d)
     st = complete_state("gpu", 5)
     for c in st.chunks:
-        c.fill_(float("nan"))  # what the pinned buffer holds before the copy lands
+        c.aux.fill_(float("nan"))  # what the pinned buffer holds before the copy lands
+        c.final.fill_(float("nan"))
     ev = SlowCopy(st, 1.5)
     st.ready.append(ev)
     submit(w, st)

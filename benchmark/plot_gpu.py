@@ -1,0 +1,43 @@
+"""Plot benchmark/results/gpu_export_h200.json as a PNG a person can read at a glance.
+
+    .venv/bin/pip install matplotlib && .venv/bin/python benchmark/plot_gpu.py
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+src = sys.argv[1] if len(sys.argv) > 1 else "benchmark/results/gpu_export_h200.json"
+dst = sys.argv[2] if len(sys.argv) > 2 else src.replace(".json", ".png")
+d = json.load(open(src))
+labels, values, colors = [], [], []
+for phase, name in (("radix-on", "prefix cache on"), ("radix-off", "prefix cache off")):
+    for length, s in d.get(phase, {}).get("shapes", {}).items():
+        med = s["tokens_per_s_median"]
+        labels += [f"{length} tok\n{name}\nexport off", f"{length} tok\n{name}\nexport ON ({s['ratio_median']:.2f}x)"]
+        values += [med["off"], med["on"]]
+        colors += ["#9e9e9e", "#1565c0"]
+b = d.get("baselines", {})
+if "return_hidden_states" in b:
+    labels.append("1024 tok\nupstream\nreturn_hidden_states")
+    values.append(b["return_hidden_states"]["tokens_per_s"])
+    colors.append("#c62828")
+if "hf_transformers" in b:
+    labels.append("1024 tok\nHF transformers\nforward + write")
+    values.append(b["hf_transformers"]["tokens_per_s"])
+    colors.append("#ef6c00")
+fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(values)), 5))
+bars = ax.bar(range(len(values)), values, color=colors)
+for bar, v in zip(bars, values):
+    ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+ax.set_xticks(range(len(values)), labels, fontsize=7)
+ax.set_ylabel("prompt tokens / s")
+gpu = d.get("provenance", {}).get("radix-on", {}).get("hardware", {}).get("gpu", "GPU")
+ax.set_title(f"Hidden-state export on SGLang 0.5.17, Llama-3-8B geometry, {gpu}, 64 clients, CUDA graphs on")
+fig.tight_layout()
+fig.savefig(dst, dpi=120)
+print(dst)
