@@ -22,7 +22,7 @@ class ExportConfig:
     # Host memory for rows that are copied off the device but not yet on disk. When it is
     # full the forward loop waits (back-pressure) instead of growing RAM.
     host_buffer_bytes: int = 2 << 30
-    writer_threads: int = 2
+    writer_threads: int = 8
     # Seconds /generate waits for a sample to become durable before failing the request.
     write_timeout_s: float = 600.0
     # ZeroMQ address on which writers tell the HTTP process that a sample is durable.

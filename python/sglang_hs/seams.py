@@ -105,8 +105,8 @@ def add_cli_args(result, parser):
     g.add_argument("--export-host-buffer-gib", type=float, default=2.0, metavar="GIB",
                    help="Host memory for exported rows not yet on disk; when full, the forward "
                         "loop waits for the writer (default 2).")
-    g.add_argument("--export-writer-threads", type=int, default=2, metavar="N",
-                   help="Background threads writing sample files (default 2).")
+    g.add_argument("--export-writer-threads", type=int, default=8, metavar="N",
+                   help="Background threads writing sample files (default 8).")
     g.add_argument("--export-write-timeout", type=float, default=600.0, metavar="S",
                    help="Seconds /generate waits for its sample to be durable (default 600).")
 
