@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from sglang_hs.bench import measure_prefill, provenance, random_prompts
-from sglang_hs.format import read_manifest
+from sglang_hs.format import read_manifest, validate_export
 from sglang_hs.server import Server
 
 LLAMA3_8B = {
@@ -91,6 +91,8 @@ def phase_pair(model_dir, work, radix: bool, rounds: int):
             time.sleep(11)  # one more stats line from the writer
             on_rounds = [m for s in res["shapes"].values() for m in s["rounds"]["on"]]
             res["export_stats"] = last_stats(on.log_path)
+            rep = validate_export(export_dir)
+            res["export_validation"] = {"ok": rep.ok, "samples": rep.samples, "errors": rep.errors[:10]}
             entries = read_manifest(export_dir)
             res["exported_samples"] = len(entries)
             total_bytes = sum(os.path.getsize(os.path.join(export_dir, e["path"])) for e in entries)

@@ -37,7 +37,8 @@ for bar, v in zip(bars, values):
 ax.set_xticks(range(len(values)), labels, fontsize=7)
 ax.set_ylabel("prompt tokens / s")
 gpu = d.get("provenance", {}).get("radix-on", {}).get("hardware", {}).get("gpu", "GPU")
-ax.set_title(f"Hidden-state export on SGLang 0.5.17, Llama-3-8B geometry, {gpu}, 64 clients, CUDA graphs on")
+ax.set_title(f"sglang-hs hidden-state export, SGLang 0.5.17, Llama-3-8B geometry\n"
+             f"{gpu}, 64 clients, CUDA graphs on, export to /dev/shm", fontsize=10)
 fig.tight_layout()
 fig.savefig(dst, dpi=120)
 print(dst)

@@ -30,12 +30,10 @@ def record(name, value):
         json.dump(data, open(RESULTS, "w"), indent=2)
 
 
-@pytest.fixture(scope="module")
-def mini_llama(tmp_path_factory):
+def mini_llama_dir(d):
     """A random Llama (hidden 1024, 8 layers) saved by HF, so HF and SGLang load the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    d = str(tmp_path_factory.mktemp("mini-llama"))
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192,
                       rope_theta=500000.0, torch_dtype=torch.bfloat16, bos_token_id=1, eos_token_id=2)
@@ -44,6 +42,11 @@ def mini_llama(tmp_path_factory):
         model = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def mini_llama(tmp_path_factory):
+    return mini_llama_dir(str(tmp_path_factory.mktemp("mini-llama")))
 
 
 @pytest.fixture(scope="module")
