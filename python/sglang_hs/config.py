@@ -76,11 +76,6 @@ def check_aux_layer_ids(ids: Sequence[int], num_layers: int) -> Tuple[int, ...]:
     return ids
 
 
-def default_aux_layer_ids(num_layers: int) -> Tuple[int, ...]:
-    """SGLang's EAGLE-3 default for Llama/Qwen/DeepSeek families, in the HF convention."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
 def is_writer_rank(attn_tp_rank: int, attn_cp_rank: int, is_last_pp_rank: bool) -> bool:
     """One rank per data-parallel group copies and writes.
 

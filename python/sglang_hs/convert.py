@@ -20,7 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from safetensors import safe_open

@@ -53,7 +53,6 @@ class Seam(NamedTuple):
 
 
 SEAMS: List[Seam] = []
-APPLIED: List[str] = []  # targets whose hook actually ran at least once (for tests and logs)
 
 
 def seam(target: str, hook_type: HookType):
@@ -214,7 +213,6 @@ def init_attention_backends(result, self):
     if is_writer_rank(ps.attn_tp_rank, ps.attn_cp_rank, ps.pp_rank == ps.pp_size - 1):
         writer = _make_writer(cfg, self, arch, num_layers, ids)
     _runtime = ExportRuntime(ids, writer)
-    APPLIED.append("init_attention_backends")
     logger.info("sglang-hs: aux capture on %s layers %s (HF convention), writer rank: %s",
                 arch, list(ids), writer is not None)
 

@@ -8,7 +8,6 @@ an export is as exact as the runtime can be when its error is of the order of HF
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Dict, List, Optional
 
 import torch
@@ -103,7 +102,7 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
     bf16_model = load_hf(model_path, torch.bfloat16, device)
     acc: Dict[str, list] = {}
     n = tokens = 0
-    for entry, path in iter_samples(out_dir):
+    for _, path in iter_samples(out_dir):
         if samples is not None and n >= samples:
             break
         t = load_sample(path)
@@ -125,6 +124,3 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
                                  float(cos.min()), mx))
     return VerifyReport(n, tokens, planes, fmt.errors)
 
-
-def main_json(report: VerifyReport) -> str:
-    return json.dumps(report.to_dict(), indent=2)

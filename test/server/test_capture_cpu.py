@@ -11,7 +11,6 @@ import time
 from importlib import resources
 
 import pytest
-import torch
 
 from sglang_hs.client import JOURNAL
 from sglang_hs.format import load_sample, read_manifest, validate_export

@@ -6,7 +6,6 @@ from sglang_hs.config import (
     ExportConfigError,
     check_aux_layer_ids,
     check_out_dir,
-    default_aux_layer_ids,
     is_writer_rank,
 )
 
@@ -26,11 +25,6 @@ def test_layer_ids_in_hf_convention():
 def test_bad_layer_ids_say_what_to_do(ids, what):
     with pytest.raises(ExportConfigError, match=what):
         check_aux_layer_ids(ids, 30)
-
-
-def test_default_layer_ids_match_sglang_eagle3_default():
-    assert default_aux_layer_ids(30) == (2, 15, 27)
-    assert default_aux_layer_ids(61) == (2, 30, 58)
 
 
 def test_out_dir_created_and_probed(tmp_path):
