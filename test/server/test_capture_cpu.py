@@ -28,7 +28,7 @@ def smol_server(smollm2_path, tmp_path_factory):
     # float32: this CPU has no bf16 matrix units (bf16 matmuls are ~14x slower here); the
     # capture tests are about tokens, masks and resumption, not about dtype.
     args = ["--model-path", smollm2_path, "--export-hidden-states-dir", out, "--dtype", "float32",
-            "--skip-server-warmup", "--sleep-on-idle"]
+            "--skip-server-warmup"]
     with Server(args, log) as srv:
         srv.out = out
         yield srv
