@@ -53,7 +53,8 @@ f["parallel_state_fields"] = [x.name for x in dataclasses.fields(ParallelState)]
 f["req_init_source"] = inspect.getsource(Req.__init__)
 f["model_runner_init_source"] = inspect.getsource(ModelRunner.__init__) + inspect.getsource(ModelRunner)
 f["generate_req_fields"] = [x.name for x in dataclasses.fields(GenerateReqInput)]
-f["sampling_params_init"] = list(inspect.signature(SamplingParams.__init__).parameters)
+# Our request options ride in SamplingParams.custom_params: it must accept and keep a dict.
+f["custom_params_round_trip"] = SamplingParams(custom_params={"sglang_hs": {"export": False}}).custom_params
 f["health_prefix"] = constants.HEALTH_CHECK_RID_PREFIX
 f["llama_default"] = eagle3_ids(LlamaForCausalLM, None)
 f["llama_explicit_1_14_26"] = eagle3_ids(LlamaForCausalLM, [1, 14, 26])

@@ -65,7 +65,7 @@ def test_upstream_facts_the_hooks_rely_on(probe):
         assert attr in probe["model_runner_init_source"]
     for field in ("rid", "sampling_params", "input_embeds"):
         assert field in probe["generate_req_fields"]
-    assert "custom_params" in probe["sampling_params_init"]
+    assert probe["custom_params_round_trip"] == {"sglang_hs": {"export": False}}
     assert probe["health_prefix"] == "HEALTH_CHECK"
 
 
