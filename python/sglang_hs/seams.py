@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import os
@@ -71,8 +72,12 @@ def register() -> None:
 
 def config() -> Optional[ExportConfig]:
     raw = os.environ.get(ENV_CONFIG)
-    if not raw:
-        return None
+    return _parse_config(raw) if raw else None
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_config(raw: str) -> ExportConfig:
+    """Parsed once per value: the HTTP hook asks for the config on every request."""
     d = json.loads(raw)
     if d.get("aux_layer_ids") is not None:
         d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
