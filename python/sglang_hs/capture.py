@@ -25,19 +25,23 @@ class RequestOptions:
     export: bool = True
     loss_mask: Optional[List[int]] = None
     metadata: Optional[Dict[str, Any]] = None
+    # Set by the HTTP process, one per /generate call: tells a request's outcome apart from
+    # that of an earlier request with the same rid (e.g. one aborted when its client died).
+    token: Optional[str] = None
 
 
 def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
-    """Read `sampling_params.custom_params["sglang_hs"]`: {"export", "loss_mask", "metadata"}."""
+    """Read `sampling_params.custom_params["sglang_hs"]`: {"export", "loss_mask", "metadata"}
+    (and "token", which the server sets itself)."""
     raw = (custom_params or {}).get(REQUEST_KEY) if isinstance(custom_params, dict) else None
     if raw is None:
         return RequestOptions()
-    if not isinstance(raw, dict) or set(raw) - {"export", "loss_mask", "metadata"}:
+    if not isinstance(raw, dict) or set(raw) - {"export", "loss_mask", "metadata", "token"}:
         raise RequestOptionsError(
             f"custom_params[{REQUEST_KEY!r}] must be a dict with keys export (bool), "
             f"loss_mask (list of 0/1, one per prompt token), metadata (dict); got {raw!r:.200}"
         )
-    opts = RequestOptions(export=bool(raw.get("export", True)))
+    opts = RequestOptions(export=bool(raw.get("export", True)), token=raw.get("token"))
     lm = raw.get("loss_mask")
     if lm is not None:
         if not isinstance(lm, list) or any(v not in (0, 1) or isinstance(v, float) for v in lm):
@@ -82,6 +86,10 @@ class ReqExport:
         if self.done:
             return upstream_max
         return min(upstream_max, self.next_pos)
+
+    def message(self, **fields) -> dict:
+        """A notification to the HTTP process about this request's outcome."""
+        return {"rid": self.rid, "token": self.options.token, **fields}
 
     def fail(self, message: str) -> None:
         """Mark the sample as never to be written; the caller releases its rows."""

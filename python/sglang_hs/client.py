@@ -26,7 +26,9 @@ from sglang_hs.records import RecordError, Sample, iter_records, sample_id, to_s
 
 JOURNAL = "capture.jsonl"
 FAILED = "capture_failed.jsonl"
-TRANSIENT = {500, 502, 503, 504}
+# 423: the same sample id is still in flight on the server (e.g. sent by a run that was just
+# killed); it is freed once that request finishes or is aborted.
+TRANSIENT = {423, 500, 502, 503, 504}
 
 
 @dataclasses.dataclass
@@ -180,8 +182,13 @@ async def _capture(cfg: CaptureConfig, tok) -> Summary:
                     "sampling_params": {"max_new_tokens": 1, "custom_params": {"sglang_hs": opts}}}, cfg.retries)
             except RecordError as e:
                 return record_failure(s.id, str(e))
-            if status == 200:
-                info = data["meta_info"]["hidden_states_export"]
+            except Exception as e:  # one bad sample never stops the run
+                return record_failure(s.id, f"{type(e).__name__}: {e}")
+            info = (data.get("meta_info") or {}).get("hidden_states_export") if isinstance(data, dict) else None
+            if status == 200 and info is None:
+                record_failure(s.id, "the server answered without meta_info.hidden_states_export: "
+                                     "is it running with --export-hidden-states-dir?")
+            elif status == 200:
                 summ.exported += 1
                 summ.tokens += info["num_tokens"]
                 summ.bytes += info.get("bytes", 0)

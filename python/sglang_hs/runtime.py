@@ -186,7 +186,7 @@ class ExportRuntime:
                 del self._in_progress[key]
                 st.done = True
                 self.writer.drop(st)
-                self.writer.notify({"rid": st.rid, "ok": False, "aborted": True})
+                self.writer.notify(st.message(ok=False, aborted=True))
 
     def _fail(self, st: ReqExport) -> None:
         self._in_progress.pop(id(st), None)

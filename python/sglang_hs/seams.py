@@ -18,12 +18,13 @@ import functools
 import json
 import logging
 import os
-from typing import Callable, List, NamedTuple, Optional
+import uuid
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_hs import __version__
-from sglang_hs.capture import RequestOptionsError, parse_request_options
+from sglang_hs.capture import REQUEST_KEY, RequestOptionsError, parse_request_options
 from sglang_hs.config import (
     ExportConfig,
     ExportConfigError,
@@ -370,47 +371,63 @@ async def generate_request(original, self, obj, request=None):
             yield out
         return
     waiter = _http_waiter(cfg)
-    exported = _check_request(obj, waiter)
-    async for out in original(self, obj, request):
-        for item in out if isinstance(out, list) else [out]:
-            mi = item.get("meta_info", {}) if isinstance(item, dict) else {}
-            rid, fin = mi.get("id"), mi.get("finish_reason")
-            if fin is None or rid is None or not exported(rid):
-                continue
-            if isinstance(fin, dict) and fin.get("type") == "abort":
-                waiter.forget(rid)
-                continue
-            info = waiter.meta_info(await waiter.wait(rid), cfg.out_dir)
-            if info is not None:
-                mi["hidden_states_export"] = info
-        yield out
+    token = uuid.uuid4().hex
+    exported, explicit = _check_request(obj, waiter, token)
+    waiter.admit(explicit)
+    unclaimed = set(explicit)  # outcomes this call has not taken (yet)
+    try:
+        async for out in original(self, obj, request):
+            for item in out if isinstance(out, list) else [out]:
+                mi = item.get("meta_info", {}) if isinstance(item, dict) else {}
+                rid, fin = mi.get("id"), mi.get("finish_reason")
+                if fin is None or rid is None or not exported(rid):
+                    continue
+                unclaimed.add(rid)
+                if isinstance(fin, dict) and fin.get("type") == "abort":
+                    continue
+                result = await waiter.wait(rid, token)
+                unclaimed.discard(rid)
+                info = waiter.meta_info(result, cfg.out_dir)
+                if info is not None:
+                    mi["hidden_states_export"] = info
+            yield out
+    finally:
+        waiter.release(explicit, token, unclaimed)
 
 
-def _check_request(obj, waiter) -> Callable[[str], bool]:
-    """Validate rids and options; return which (final) rids are exported."""
+def _check_request(obj, waiter, token: str) -> Tuple[Callable[[str], bool], List[str]]:
+    """Validate rids and options and tag each exported entry with this call's token.
+
+    Returns which (final) rids are exported and the explicit rids among them.
+    """
     n = 1 if not isinstance(obj.rid, list) else len(obj.rid)
     if isinstance(obj.sampling_params, list):
         n = max(n, len(obj.sampling_params))
+    if obj.sampling_params is None:
+        obj.sampling_params = {}
     rids = _as_list(obj.rid, n)
-    params = _as_list(obj.sampling_params or {}, n)
-    opted_out = set()
+    params = _as_list(obj.sampling_params, n)
+    opted_out, explicit = set(), []
     # Each error is a ValueError with a status_code: /generate answers with it and the message.
     if obj.input_embeds is not None:
         raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
     for i, (rid, sp) in enumerate(zip(rids, params)):
-        opts = parse_request_options((sp or {}).get("custom_params"))
+        cp = sp.get("custom_params") or {}
+        opts = parse_request_options(cp)
         if not opts.export:
             opted_out.add(i)
             continue
+        sp["custom_params"] = {**cp, REQUEST_KEY: {**(cp.get(REQUEST_KEY) or {}), "token": token}}
         if rid is not None:
             check_sample_id(rid)
             if rid in waiter.exported:
                 raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
                                            "(exported samples are never overwritten)")
+            explicit.append(rid)
     if not opted_out:
-        return lambda rid: True
+        return (lambda rid: True), explicit
     # Opted-out entries are known by position; SGLang fills missing rids in place.
-    return lambda rid: not any(_as_list(obj.rid, n)[i] == rid for i in opted_out)
+    return (lambda rid: not any(_as_list(obj.rid, n)[i] == rid for i in opted_out)), explicit
 
 
 def seam_targets() -> List[str]:

@@ -195,15 +195,15 @@ class SampleWriter:
                 self._write(st, aborted)
             except Exception as e:  # never let one sample kill the writer or hang its request
                 logger.exception("sglang-hs: writing sample %s failed", st.rid)
-                self.notify({"rid": st.rid, "ok": False, "status": 500,
-                             "error": f"internal error writing sample {st.rid}: {e!r}"})
+                self.notify(st.message(ok=False, status=500,
+                                       error=f"internal error writing sample {st.rid}: {e!r}"))
             finally:
                 st.release()
                 self.pool.dequeue()
                 self._q.task_done()
 
     def _write(self, st: ReqExport, aborted: Callable[[], bool]) -> None:
-        msg = {"rid": st.rid, "ok": False}
+        msg = st.message(ok=False)
         t0 = time.perf_counter()
         try:
             for ev in st.ready:  # device->host copies of these rows (GPU); wait here, not in the forward
@@ -258,7 +258,7 @@ class SampleWriter:
         logger.error("sglang-hs: sample %s not exported: %s", st.rid, error)
         with self._lock:
             self.stats["failed"] += 1
-        self.notify({"rid": st.rid, "ok": False, "error": error, "status": status})
+        self.notify(st.message(ok=False, error=error, status=status))
 
     def flush(self) -> None:
         self._q.join()

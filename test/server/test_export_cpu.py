@@ -155,7 +155,7 @@ def test_an_exported_rid_is_never_overwritten(tiny_server):
 
 def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
     srv = tiny_server
-    aborted = 0
+    aborted = []
     for attempt in range(4):
         rid = f"abort-{attempt}"
         ids, = prompts(10 + attempt, [4000])  # about 63 chunks of 64
@@ -167,13 +167,19 @@ def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
         th.join(120)
         fin = res["r"].json()["meta_info"]["finish_reason"] if res["r"].status_code == 200 else {"type": "abort"}
         if fin.get("type") == "abort":
-            aborted += 1
+            aborted.append(rid)
             assert rid not in {e["id"] for e in read_manifest(srv.out)}
             assert not any(rid in f for _, _, fs in os.walk(srv.out) for f in fs)
-    assert aborted >= 1, "no request was aborted mid-prefill; the test did not exercise anything"
+    assert aborted, "no request was aborted mid-prefill; the test did not exercise anything"
     # Nothing leaked: the server serves and exports the next request normally.
     r = export(srv, "after-abort", prompts(20, [300])[0])
     assert r.status_code == 200
+    # An aborted rid may be sent again; the new request gets its own outcome, never the
+    # first one's abort (which the scheduler may report after the first handler has left).
+    ids = prompts(21, [100])[0]
+    r = export(srv, aborted[0], ids)
+    assert r.status_code == 200 and r.json()["meta_info"]["hidden_states_export"]["num_tokens"] == 100, r.text
+    assert sample(srv.out, aborted[0])["token_ids"].tolist() == ids
     log = srv.log_tail(2000)
     assert "Traceback" not in log
 

@@ -13,7 +13,7 @@ H, K = 8, 3
 
 def complete_state(rid, n, loss_mask=None, pool=None):
     """A request whose n prompt rows arrived in two chunks, staged in slabs of `pool`."""
-    st = ReqExport(rid=rid, prompt_ids=list(range(n)), options=RequestOptions(loss_mask=loss_mask))
+    st = ReqExport(rid=rid, prompt_ids=list(range(n)), options=RequestOptions(loss_mask=loss_mask, token=f"t-{rid}"))
     for start, end in ((0, n // 2), (n // 2, n)):
         _, segs, _ = plan_forward([st], [start], [end - start])
         if not segs:
@@ -72,7 +72,8 @@ def test_aborted_before_commit_writes_nothing(tmp_path):
     w, msgs = make_writer(d)
     submit(w, complete_state("gone", 4), lambda: True)
     w.close()
-    assert msgs == [{"rid": "gone", "ok": False, "aborted": True}]
+    # The call's token travels back, so the HTTP side matches it to that call only.
+    assert msgs == [{"rid": "gone", "token": "t-gone", "ok": False, "aborted": True}]
     assert read_manifest(d) == [] and not any(f.endswith(".safetensors") for _, _, fs in os.walk(d) for f in fs)
 
 

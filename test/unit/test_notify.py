@@ -1,0 +1,89 @@
+"""The writer -> HTTP notification pipe: real ZeroMQ sockets, no server.
+
+/generate answers with the outcome of its own request only: an outcome reported late for an
+earlier request with the same rid (one aborted when its client died) must never be taken
+for a later one's, and a rid still in flight is refused with a retryable status.
+"""
+
+import asyncio
+
+import pytest
+
+from sglang_hs.notify import ExportWaiter, Notifier, SampleInFlightError
+
+
+def ok(rid, token):
+    return {"rid": rid, "token": token, "ok": True, "path": f"dp0-00000/{rid}.safetensors",
+            "num_tokens": 3, "bytes": 100}
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+@pytest.fixture
+def addr(tmp_path):
+    return f"ipc://{tmp_path}/notify"
+
+
+def test_late_outcome_of_an_aborted_request_is_not_taken_by_the_next_with_that_rid(addr, tmp_path):
+    async def main():
+        w = ExportWaiter(addr, str(tmp_path), timeout_s=10)
+        push = Notifier(addr)
+        # First call: its client died, the handler left before the scheduler reported.
+        w.admit(["s1"])
+        w.release(["s1"], "t1", unclaimed=["s1"])
+        # Second call with the same rid is admitted and starts waiting ...
+        w.admit(["s1"])
+        waiting = asyncio.ensure_future(w.wait("s1", "t2"))
+        # ... then the first call's abort arrives, and only then the second's success.
+        push({"rid": "s1", "token": "t1", "ok": False, "aborted": True})
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "took the earlier request's outcome"
+        push(ok("s1", "t2"))
+        got = await asyncio.wait_for(waiting, 5)
+        w.release(["s1"], "t2", unclaimed=[])
+        return w, got
+
+    w, got = run(main())
+    assert got["ok"] and got["token"] == "t2"
+    assert ExportWaiter.meta_info(got, "/d")["path"] == "dp0-00000/s1.safetensors"
+    assert "s1" in w.exported and not w.in_flight
+    assert not w._results and not w._abandoned, "dropped outcomes must not be kept"
+
+
+def test_an_outcome_that_arrives_before_its_waiter_is_kept(addr, tmp_path):
+    async def main():
+        w = ExportWaiter(addr, str(tmp_path), timeout_s=10)
+        Notifier(addr)(ok("s2", "t"))
+        await asyncio.sleep(0.2)
+        return await asyncio.wait_for(w.wait("s2", "t"), 5)
+
+    assert run(main())["ok"]
+
+
+def test_a_rid_in_flight_is_refused_with_a_retryable_status_until_released(addr, tmp_path):
+    async def main():
+        w = ExportWaiter(addr, str(tmp_path), timeout_s=10)
+        w.admit(["a", "b"])
+        with pytest.raises(SampleInFlightError) as e:
+            w.admit(["c", "b"])
+        assert e.value.status_code == 423 and "'b'" in str(e.value)
+        assert w.in_flight == {"a", "b"}, "a refused call must not claim its other rids"
+        w.release(["a", "b"], "t", unclaimed=[])
+        w.admit(["b"])
+
+    run(main())
+
+
+def test_a_success_reported_after_its_client_left_still_counts_as_exported(addr, tmp_path):
+    async def main():
+        w = ExportWaiter(addr, str(tmp_path), timeout_s=10)
+        w.admit(["s3"])
+        w.release(["s3"], "t", unclaimed=["s3"])
+        Notifier(addr)(ok("s3", "t"))
+        await asyncio.sleep(0.2)
+        return w
+
+    w = run(main())
+    assert "s3" in w.exported and not w._results
