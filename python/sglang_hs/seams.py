@@ -358,9 +358,9 @@ async def generate_request(original, self, obj, request=None):
     """Target: TokenizerManager.generate_request (async generator behind /generate and the
     OpenAI endpoints).
 
-    Why: reject unsafe or already-exported rids and bad export options with HTTP 400/409
-    before any work, and hold the final response until the sample is durable, adding
-    meta_info["hidden_states_export"]. Upstream PR: request-validation and response hooks for
+    Why: reject unsafe, already-exported or in-flight rids and bad export options with HTTP
+    400/409/423 before any work, and hold the final response until the sample is durable,
+    adding meta_info["hidden_states_export"]. Upstream PR: request-validation and response hooks for
     plugins. Remove with them.
     """
     cfg = config()
