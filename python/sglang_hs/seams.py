@@ -333,6 +333,30 @@ def logits_forward(original, self, input_ids, hidden_states, lm_head, logits_met
                     *args, **kwargs)
 
 
+@seam("sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler",
+      HookType.AFTER)
+def mla_attention_routing(result, cls, backend_name):
+    """Target: AttentionBackendRegistry.get_handler (DeepSeek-family MLA models: picks, per
+    attention backend, whether a forward takes the MHA or the MLA path).
+
+    Why: torch_native (the CPU backend) has no entry, so it gets triton's routing, which sends
+    a prefill without cached prefix down the MHA path; torch_native's MHA path cannot take
+    MLA's unequal q/k and v head sizes and the first prefill crashes. Routing every forward to
+    MLA makes DeepSeek V3 / Kimi K2 models run in CPU mode, where their export is tested.
+    Other backends are untouched. Upstream PR: register a torch_native handler that always
+    returns MLA. Remove with it.
+    """
+    if backend_name != "torch_native":
+        return None
+    return _always_mla
+
+
+def _always_mla(attn, forward_batch):
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return AttnForwardMethod.MLA
+
+
 # --------------------------------------------------------------------------------------
 # HTTP process: request checks and "durable before 200"
 # --------------------------------------------------------------------------------------

@@ -60,4 +60,8 @@ f["llama_default"] = eagle3_ids(LlamaForCausalLM, None)
 f["llama_explicit_1_14_26"] = eagle3_ids(LlamaForCausalLM, [1, 14, 26])
 f["deepseek_explicit_1_14_26"] = eagle3_ids(DeepseekV2ForCausalLM, [1, 14, 26])
 f["deepseek_explicit_2_15_27"] = eagle3_ids(DeepseekV2ForCausalLM, [2, 15, 27])
+from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry  # noqa: E402
+
+f["mla_routing"] = {b: AttentionBackendRegistry.get_handler(b)(None, None).name if b == "torch_native"
+                    else AttentionBackendRegistry.get_handler(b).__module__ for b in ("torch_native", "triton")}
 print("PROBE_JSON " + json.dumps(f | {"seams": out["seams"]}))

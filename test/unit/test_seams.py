@@ -32,6 +32,8 @@ EXPECTED_PARAMS = {
     "sglang.srt.layers.logits_processor.LogitsProcessor.forward":
         ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"],
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ["self", "obj", "request"],
+    "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler":
+        ["cls", "backend_name"],
 }
 
 
@@ -77,3 +79,8 @@ def test_layer_id_mapping_of_upstream_families(probe):
     assert probe["llama_explicit_1_14_26"] == [2, 15, 27]
     assert probe["deepseek_explicit_1_14_26"] == [2, 15, 27]
     assert probe["deepseek_explicit_2_15_27"] == [2, 15, 27]
+
+
+def test_mla_routing_sends_torch_native_to_mla_and_leaves_other_backends_alone(probe):
+    assert probe["mla_routing"]["torch_native"] == "MLA"
+    assert probe["mla_routing"]["triton"].startswith("sglang.srt."), "triton's own routing must stay"
