@@ -15,3 +15,56 @@ def test_router_sends_to_the_least_loaded_server():
 def test_journal_survives_a_torn_last_line(tmp_path):
     (tmp_path / "capture.jsonl").write_text(json.dumps({"id": "a", "path": "p"}) + "\n" + '{"id": "b", "pa')
     assert set(load_done(str(tmp_path))) == {"a"}  # b is simply sent again (409 if it was durable)
+
+
+def test_capture_retries_in_flight_ids_and_records_odd_answers_without_stopping(tmp_path):
+    """Against a scripted HTTP server: 423 (the id is still in flight on the server) is retried,
+    409 counts as exported, and a 200 without export info or a 400 fails that sample only."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sglang_hs.client import FAILED, JOURNAL, CaptureConfig, _capture
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1, 2, 3 + i]}) + "\n" for i in range(4)))
+    seen = {}
+
+    async def generate(request):
+        body = await request.json()
+        n = seen[body["input_ids"][2]] = seen.get(body["input_ids"][2], 0) + 1
+        kind = body["input_ids"][2] - 3
+        info = {"dir": "d", "path": f"p/{body['rid']}", "num_tokens": 3, "bytes": 10}
+        if kind == 0 and n == 1:
+            return web.json_response({"error": {"message": "in flight"}}, status=423)
+        if kind == 0:
+            return web.json_response({"meta_info": {"hidden_states_export": info}})
+        if kind == 1:
+            return web.json_response({"error": {"message": "already exported"}}, status=409)
+        if kind == 2:
+            return web.json_response({"meta_info": {"id": body["rid"]}})
+        return web.json_response({"error": {"message": "bad loss_mask"}}, status=400)
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            cfg = CaptureConfig(servers=[f"http://127.0.0.1:{port}"], data=str(data), out=str(tmp_path / "out"),
+                                progress=False, retries=3)
+            return await _capture(cfg, tok=None)
+        finally:
+            await runner.cleanup()
+
+    s = asyncio.run(main())
+    assert (s.exported, s.already_exported, s.failed, s.total) == (1, 1, 2, 4)
+    assert seen[3] == 2, "423 must be retried"
+    assert len(load_done(str(tmp_path / "out"))) == 2
+    failed = [json.loads(x) for x in (tmp_path / "out" / FAILED).read_text().splitlines()]
+    assert any("hidden_states_export" in f["error"] for f in failed)
+    assert any("HTTP 400" in f["error"] for f in failed)
+    assert (tmp_path / "out" / JOURNAL).exists()
