@@ -435,10 +435,12 @@ def _check_request(obj, waiter, token: str) -> Tuple[Callable[[str], bool], List
     # Each error is a ValueError with a status_code: /generate answers with it and the message.
     if obj.input_embeds is not None:
         raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
     for i, (rid, sp) in enumerate(zip(rids, params)):
         cp = sp.get("custom_params") or {}
         opts = parse_request_options(cp)
-        if not opts.export:
+        if not opts.export or str(rid).startswith(HEALTH_CHECK_RID_PREFIX):  # schedulers skip those too
             opted_out.add(i)
             continue
         sp["custom_params"] = {**cp, REQUEST_KEY: {**(cp.get(REQUEST_KEY) or {}), "token": token}}

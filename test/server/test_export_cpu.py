@@ -184,6 +184,15 @@ def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
     assert "Traceback" not in log
 
 
+def test_health_checks_are_answered_and_never_exported(tiny_server):
+    srv = tiny_server
+    before = [e["id"] for e in read_manifest(srv.out)]
+    r = requests.get(srv.url + "/health_generate", timeout=60)
+    assert r.status_code == 200, r.text
+    time.sleep(1)
+    assert [e["id"] for e in read_manifest(srv.out)] == before
+
+
 def test_the_whole_directory_validates(tiny_server):
     rep = validate_export(tiny_server.out)
     assert rep.ok, rep.errors
