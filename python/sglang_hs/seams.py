@@ -7,7 +7,9 @@ each hook is applied (HookRegistry only logs a hook that fails to apply).
 
 `register()` is the plugin entry point (group `sglang.srt.plugins`): SGLang calls it in every
 process (launcher, HTTP/tokenizer process, each scheduler) before it builds anything.
-The hooks are pass-throughs unless `--export-hidden-states-dir` is set.
+The hooks are pass-throughs unless `--export-hidden-states-dir` is set, except the MLA routing
+for torch_native, which only turns an upstream crash (DeepSeek models on CPU) into a working
+forward.
 """
 
 from __future__ import annotations
