@@ -31,12 +31,11 @@ def _done(out_dir: str) -> bool:
     )
 
 
-def _strip_quantization(out_dir: str) -> None:
-    # A leftover quantization_config makes SGLang treat the checkpoint as GGUF.
+def _edit_config(out_dir: str, edit) -> None:
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         cfg = json.load(f)
-    cfg.pop("quantization_config", None)
+    edit(cfg)
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
 
@@ -61,7 +60,8 @@ def smollm2(out_dir: str) -> str:
     tmp = out_dir + ".tmp"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    _strip_quantization(tmp)
+    # A leftover quantization_config makes SGLang treat the checkpoint as GGUF.
+    _edit_config(tmp, lambda c: c.pop("quantization_config", None))
     _replace_dir(tmp, out_dir)
     return out_dir
 
@@ -80,19 +80,7 @@ def tiny_llama(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int 
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
         torch_dtype=torch.bfloat16,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    # Larger weights than the default init keep the residual stream far from trivially small.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model = model.to(torch.bfloat16)
-    tmp = out_dir + ".tmp"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    _replace_dir(tmp, out_dir)
-    return out_dir
+    return _save_random(LlamaForCausalLM, cfg, tok, out_dir, seed)
 
 
 def tiny_deepseek_v3(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
@@ -116,8 +104,18 @@ def tiny_deepseek_v3(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
     )
+    # Keys every released DeepSeek V3 / Kimi K2 config carries and SGLang reads; transformers'
+    # config class does not write them.
+    extra = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    return _save_random(DeepseekV3ForCausalLM, cfg, tok, out_dir, seed, lambda c: c.update(extra))
+
+
+def _save_random(model_cls, cfg, tok, out_dir: str, seed: int, edit_config=None) -> str:
+    import torch
+
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg)
+    model = model_cls(cfg)
+    # Larger weights than the default init keep the residual stream far from trivially small.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -126,14 +124,8 @@ def tiny_deepseek_v3(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers
     tmp = out_dir + ".tmp"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    # Keys every released DeepSeek V3 / Kimi K2 config carries and SGLang reads; transformers'
-    # config class does not write them.
-    path = os.path.join(tmp, "config.json")
-    with open(path) as f:
-        c = json.load(f)
-    c.update(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
-    with open(path, "w") as f:
-        json.dump(c, f, indent=2)
+    if edit_config is not None:
+        _edit_config(tmp, edit_config)
     _replace_dir(tmp, out_dir)
     return out_dir
 
