@@ -17,11 +17,11 @@ def smollm2_path():
 def tiny_path(smollm2_path):
     from sglang_hs import models
 
-    return models.tiny_llama(os.path.join(MODELS, "tiny-llama-8l"), smollm2_path)
+    return models.tiny("llama", os.path.join(MODELS, "tiny-llama-8l"), smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_path(smollm2_path):
     from sglang_hs import models
 
-    return models.tiny_deepseek_v3(os.path.join(MODELS, "tiny-deepseek-v3-8l"), smollm2_path)
+    return models.tiny("deepseek_v3", os.path.join(MODELS, "tiny-deepseek-v3-8l"), smollm2_path)

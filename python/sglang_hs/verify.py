@@ -73,10 +73,43 @@ def hf_planes(model, token_ids: torch.Tensor, layer_ids: List[int]) -> torch.Ten
 
 
 def load_hf(model_path: str, dtype: torch.dtype, device: str = "cpu"):
+    """The HF text model of a checkpoint. A wrapper checkpoint whose class transformers does
+    not have (Kimi-K2.5: `KimiK25ForConditionalGeneration`, text config under `text_config`,
+    weights under `language_model.`) is loaded as its text model from those weights."""
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
-    return model.eval()
+    cfg = _read_config(model_path)
+    archs = cfg.get("architectures") or []
+    if "text_config" not in cfg or any(hasattr(transformers, a) for a in archs):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    else:
+        model = _load_text_model(model_path, cfg["text_config"], dtype)
+    return model.to(device).eval()
+
+
+WRAPPER_PREFIX = "language_model."
+
+
+def _read_config(model_path: str) -> dict:
+    import json
+    import os
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        return json.load(f)
+
+
+def _load_text_model(model_path: str, text_config: dict, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    text_config = dict(text_config)
+    cfg = AutoConfig.for_model(text_config.pop("model_type"), **text_config)
+    # key_mapping renames the checkpoint's keys before transformers applies its own
+    # conversions (e.g. per-expert MoE weights into fused expert tensors); other keys
+    # (the vision tower) are left unused.
+    model = AutoModelForCausalLM.from_pretrained(model_path, config=cfg, dtype=dtype,
+                                                 key_mapping={f"^{WRAPPER_PREFIX}": ""})
+    return model
 
 
 def _accumulate(acc: Dict[str, list], name: str, got: torch.Tensor, ref: torch.Tensor, hf16: torch.Tensor):

@@ -3,6 +3,7 @@ reports, for every seam, whether its target resolved, whether our hook is applie
 upstream facts the hooks rely on. test_seams.py asserts on the JSON this prints."""
 
 import dataclasses
+import importlib
 import inspect
 import json
 import pkgutil
@@ -64,4 +65,57 @@ from sglang.srt.models.deepseek_common.attention_backend_handler import Attentio
 
 f["mla_routing"] = {b: AttentionBackendRegistry.get_handler(b)(None, None).name if b == "torch_native"
                     else AttentionBackendRegistry.get_handler(b).__module__ for b in ("torch_native", "triton")}
+
+# What each family's decoder-stack loop reads (sglang_hs.aux_layers.loop_reads), for the
+# stacks of the families the README lists as tested.
+from sglang_hs.aux_layers import loop_reads  # noqa: E402
+
+STACKS = {
+    "llama.LlamaModel", "qwen2.Qwen2Model", "qwen3.Qwen3Model", "qwen2_moe.Qwen2MoeModel",
+    "qwen3_moe.Qwen3MoeModel", "deepseek_v2.DeepseekV2Model", "gemma3_causal.Gemma3TextModel",
+    "bailing_moe.BailingMoEModel", "gpt_oss.GptOssModel", "minimax_m3.MiniMaxM3SparseModel",
+    "qwen3_next.Qwen3NextModel", "glm4_moe.Glm4MoeModel", "mellum.MellumModel",
+}
+f["loop_reads"] = {}
+for name in sorted(STACKS):
+    mod, cls = name.split(".")
+    try:
+        f["loop_reads"][name] = sorted(loop_reads(getattr(importlib.import_module(f"sglang.srt.models.{mod}"), cls)))
+    except (ImportError, AttributeError) as e:
+        f["loop_reads"][name] = f"error: {e}"
+
+# Every model class of this release with an EAGLE-3 setter: from the registry, plus (by
+# reading the source) the modules that cannot be imported in CPU mode.
+import ast  # noqa: E402
+import os  # noqa: E402
+
+from sglang.srt.models.registry import ModelRegistry  # noqa: E402
+
+families = {n for n, c in ModelRegistry.models.items() if hasattr(c, "set_eagle3_layers_to_capture")}
+import sglang.srt.models as models_pkg  # noqa: E402
+
+models_dir = list(models_pkg.__path__)[0]  # a namespace package: no __file__
+
+defs = {}  # class name -> (base names, defines the setter), over every model module
+entry = set()
+for fn in sorted(os.listdir(models_dir)):
+    if not fn.endswith(".py"):
+        continue
+    tree = ast.parse(open(os.path.join(models_dir, fn), encoding="utf-8-sig").read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            bases = [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+            has = any(isinstance(x, ast.FunctionDef) and x.name == "set_eagle3_layers_to_capture" for x in node.body)
+            defs.setdefault(node.name, (bases, has))
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "EntryClass" for t in node.targets):
+            vals = node.value.elts if isinstance(node.value, (ast.List, ast.Tuple)) else [node.value]
+            entry |= {v.id for v in vals if isinstance(v, ast.Name)}
+
+
+def has_setter(name, depth=0):
+    bases, has = defs.get(name, ([], False))
+    return has or (depth < 10 and any(has_setter(b, depth + 1) for b in bases))
+
+
+f["eagle3_classes"] = sorted(families | {c for c in entry if c not in ModelRegistry.models and has_setter(c)})
 print("PROBE_JSON " + json.dumps(f | {"seams": out["seams"]}))

@@ -34,6 +34,10 @@ EXPECTED_PARAMS = {
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ["self", "obj", "request"],
     "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler":
         ["cls", "backend_name"],
+    "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add":
+        ["hidden_states", "gate_weight", "shared_output", "final_hidden_states"],
+    "sglang.srt.distributed.parallel_state.GroupCoordinator.__init__":
+        ["self", "group_ranks", "local_rank", "torch_distributed_backend", "use_pynccl"],
 }
 
 
