@@ -25,3 +25,10 @@ def tiny_deepseek_path(smollm2_path):
     from sglang_hs import models
 
     return models.tiny("deepseek_v3", os.path.join(MODELS, "tiny-deepseek-v3-8l"), smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi_path(smollm2_path):
+    from sglang_hs import models
+
+    return models.tiny_kimi_k25(os.path.join(MODELS, "tiny-kimi_k25-8l"), smollm2_path)

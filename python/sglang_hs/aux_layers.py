@@ -36,6 +36,13 @@ REFUSED = {
     "MindSporeForCausalLM": "runs its layers inside MindSpore; its capture cannot be read back",
 }
 DRAFT_SUFFIXES = ("NextN", "MTP", "Eagle", "Eagle3", "AssistantForCausalLM")
+# Decoder stacks whose loop captures something other than HF's hidden state (the residual
+# stream), measured against transformers on CPU.
+REFUSED_STACKS = {
+    "Gemma3TextModel": "SGLang 0.5.17's Gemma3 loop captures each layer's MLP output, not the residual "
+                       "stream that HF output_hidden_states holds (cosine to HF 0.64, 0.40, 0.28 at ids "
+                       "1 3 7 of a miniature Gemma3, measured on CPU)",
+}
 
 
 class AuxLayersError(ExportConfigError):
@@ -50,6 +57,11 @@ class AuxLayers:
     path: str  # attribute path from the model to its decoder stack, e.g. "language_model.model"
     reads: FrozenSet[str]  # what the stack's layer loop reads: LIST, FLAGS or both
     layer_ids: Tuple[int, ...]
+
+    @property
+    def tested(self) -> bool:
+        """Exported and compared with HF by sglang-hs' own CPU tests."""
+        return self.architecture in TESTED_ON_CPU
 
 
 def find_stack(model: Any) -> Tuple[str, Any]:
@@ -102,12 +114,15 @@ def captured_ids(stack: Any, reads: FrozenSet[str]) -> List[int]:
     return listed if not flagged else sorted(listed + flagged)
 
 
-def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: int) -> AuxLayers:
+def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: int,
+                   allow_untested: bool = False) -> AuxLayers:
     """Turn capture on at `layer_ids` (None: the family's own default) and prove it.
 
     Raises AuxLayersError, before anything is served, when the class is not a target model,
-    its stack cannot be found, its loop reads no capture state we know, or the state read
-    back differs from the request.
+    its stack cannot be found, its loop reads no capture state we know, the state read back
+    differs from the request, or (unless `allow_untested`) sglang-hs has never compared the
+    class's export with Hugging Face: the read-back proves the layer ids, not the values
+    (SGLang's Gemma3 loop captures the right ids and the wrong tensors).
     """
     from sglang_hs.config import check_aux_layer_ids
 
@@ -119,6 +134,9 @@ def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: i
         raise AuxLayersError(f"{arch} has no EAGLE-3 aux capture in SGLang; it cannot be exported. "
                              f"{supported_hint()}")
     path, stack = find_stack(model)
+    if type(stack).__name__ in REFUSED_STACKS:
+        raise AuxLayersError(f"{arch}: hidden-state export is refused: {REFUSED_STACKS[type(stack).__name__]}. "
+                             f"{supported_hint()}")
     reads = loop_reads(type(stack))
     if not reads:
         raise AuxLayersError(f"{arch}: the layer loop of {type(stack).__name__} reads neither `{LIST}` "
@@ -141,14 +159,20 @@ def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: i
     if got != list(ids):
         raise AuxLayersError(f"{arch}: asked to capture HF layers {list(ids)} but {path} will capture {got}; "
                              "refusing to export layers other than the ones the files claim.")
-    return AuxLayers(arch, path, reads, tuple(ids))
+    aux = AuxLayers(arch, path, reads, tuple(ids))
+    if not aux.tested and not allow_untested:
+        raise AuxLayersError(
+            f"{arch}: its loop will capture HF layers {list(ids)} (read back from {path}), but sglang-hs has "
+            f"never compared this class's export with Hugging Face. {supported_hint()} To export it anyway, "
+            "pass --export-allow-untested-model and check the first samples with `sglang-hs verify DIR`.")
+    return aux
 
 
 # Checked against the README's family table by test/unit/test_aux_layers.py.
 TESTED_ON_CPU = (
     "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
-    "Gemma3ForCausalLM",
+    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",
 )
 
 

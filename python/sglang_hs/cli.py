@@ -28,6 +28,8 @@ def main(argv=None) -> None:
     c.add_argument("--data", required=True, help="JSONL file or a datasets.save_to_disk folder")
     c.add_argument("--out", required=True, help="where the capture journal lives (use the export dir)")
     c.add_argument("--tokenizer", help="default: the server's model path")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer that the checkpoint ships as code (Kimi-K2.5)")
     c.add_argument("--concurrency", type=int, default=32)
     c.add_argument("--max-length", type=int, help="keep the first N tokens of longer samples")
     c.add_argument("--last-turn-only", action="store_true", help="loss mask on the last assistant turn only")
@@ -68,6 +70,7 @@ def main(argv=None) -> None:
         from sglang_hs.client import CaptureConfig, capture
 
         cfg = CaptureConfig(servers=a.server, data=a.data, out=a.out, tokenizer=a.tokenizer,
+                            trust_remote_code=a.trust_remote_code,
                             concurrency=a.concurrency, max_length=a.max_length, last_turn_only=a.last_turn_only,
                             mask_reasoning=a.mask_reasoning, regenerate=a.regenerate,
                             max_new_tokens=a.max_new_tokens, temperature=a.temperature, retries=a.retries,

@@ -37,6 +37,8 @@ class CaptureConfig:
     data: str
     out: str
     tokenizer: Optional[str] = None
+    # Kimi-K2.5 and other checkpoints ship their tokenizer as remote code.
+    trust_remote_code: bool = False
     concurrency: int = 32
     max_length: Optional[int] = None
     last_turn_only: bool = False
@@ -261,7 +263,7 @@ def load_tokenizer(cfg: CaptureConfig):
         import requests
 
         path = requests.get(cfg.servers[0].rstrip("/") + "/get_model_info", timeout=30).json()["model_path"]
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
 
 
 def capture(cfg: CaptureConfig) -> Summary:

@@ -27,6 +27,8 @@ class ExportConfig:
     write_timeout_s: float = 600.0
     # ZeroMQ address on which writers tell the HTTP process that a sample is durable.
     notify_addr: str = ""
+    # Export a model class sglang-hs has not compared with HF (sglang_hs.aux_layers).
+    allow_untested_model: bool = False
 
     @staticmethod
     def new_notify_addr() -> str:

@@ -97,6 +97,12 @@ TINY = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_COMMON, **_MOE, head_dim=16), {}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
                dict(_COMMON, head_dim=16, sliding_window=64, query_pre_attn_scalar=16), {}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(_COMMON, head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1), {}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(_COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
+                     layer_types=None), {}),
     # MLA attention, yarn rope, a dense first layer then MoE layers with sigmoid noaux_tc
     # routing and a shared expert: the architecture of Kimi K2.
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK_V3, tie_word_embeddings=False),

@@ -4,8 +4,10 @@ rows, and hands complete prompts to the writer. The seams call it with plain val
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -24,6 +26,9 @@ from sglang_hs.capture import (
 from sglang_hs.writer import SampleWriter
 
 logger = logging.getLogger("sglang_hs.runtime")
+
+# Seconds between two stats lines of a rank (0: after every extend forward, for tests).
+STATS_INTERVAL_ENV = "SGLANG_HS_STATS_INTERVAL_S"
 
 
 @dataclasses.dataclass
@@ -62,7 +67,8 @@ class DeviceStager:
 
 
 class ExportRuntime:
-    def __init__(self, aux_layer_ids: Sequence[int], writer: Optional[SampleWriter]):
+    def __init__(self, aux_layer_ids: Sequence[int], writer: Optional[SampleWriter], rank: str = "tp0"):
+        self.rank = rank
         self.aux_layer_ids = list(aux_layer_ids)
         self.num_aux = len(self.aux_layer_ids)
         self.writer = writer  # None on ranks that do not write
@@ -70,7 +76,19 @@ class ExportRuntime:
         self._in_progress: Dict[int, ReqExport] = {}
         self._stager: Optional[DeviceStager] = None
         self.copies = 0  # device->host copies issued by this rank (proves who copies)
+        # Every prefix cap this rank decided, hashed in order: tensor-parallel ranks must agree
+        # (a rank that reused a different prefix would run a different forward and, on GPUs,
+        # hang its collectives), and the stats lines let a test or an operator compare them.
+        self.prefix_caps = 0
+        self._caps_digest = hashlib.sha256()
+        self._stats_interval = float(os.environ.get(STATS_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
+
+    def prefix_cap(self, st: ReqExport, upstream_max: int) -> int:
+        cap = st.prefix_cap(upstream_max)
+        self.prefix_caps += 1
+        self._caps_digest.update(f"{st.rid}:{upstream_max}:{cap};".encode())
+        return cap
 
     def new_state(
         self, rid: str, prompt_ids: Sequence[int], custom_params: Optional[dict], aborted: Callable[[], bool]
@@ -85,6 +103,7 @@ class ExportRuntime:
         rows, segments, failed = plan_forward(states, prefix_lens, extend_lens)
         for st in failed:
             self._fail(st)
+        self._maybe_log_stats()
         if not segments:
             return False
         if self.writer is None:
@@ -159,13 +178,20 @@ class ExportRuntime:
             if not seg.state.done:
                 self._in_progress[id(seg.state)] = seg.state
         self._sweep()
-        if time.monotonic() - self._last_log > 10:
+
+    def _maybe_log_stats(self) -> None:
+        if time.monotonic() - self._last_log >= self._stats_interval:
             self._last_log = time.monotonic()
             logger.info("sglang-hs stats: %s", json.dumps(self.stats()))
 
     def stats(self) -> dict:
+        """What this rank did: it copies only where it writes; every rank plans the same caps."""
+        d = {"rank": self.rank, "copies": self.copies, "prefix_caps": self.prefix_caps,
+             "prefix_caps_digest": self._caps_digest.hexdigest()[:16]}
         w = self.writer
-        return {"copies": self.copies, "writer": dict(w.stats), "host": w.pool.stats()}
+        if w is not None:
+            d |= {"writer": dict(w.stats), "host": w.pool.stats()}
+        return d
 
     def abort_forward(self) -> None:
         """The forward raised: its rows never arrived, so the affected samples fail."""

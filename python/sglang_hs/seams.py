@@ -118,6 +118,9 @@ def add_cli_args(result, parser):
                    help="Background threads writing sample files (default 8).")
     g.add_argument("--export-write-timeout", type=float, default=600.0, metavar="S",
                    help="Seconds /generate waits for its sample to be durable (default 600).")
+    g.add_argument("--export-allow-untested-model", action="store_true",
+                   help="Export a model class whose layer ids read back right but whose export sglang-hs "
+                        "has not compared with Hugging Face (see the README's family table).")
 
 
 @seam("sglang.srt.server_args.ServerArgs.from_cli_args", HookType.AROUND)
@@ -176,6 +179,7 @@ def _check_startup(server_args, args) -> ExportConfig:
         writer_threads=args.export_writer_threads,
         write_timeout_s=args.export_write_timeout,
         notify_addr=ExportConfig.new_notify_addr(),
+        allow_untested_model=args.export_allow_untested_model,
     )
 
 
@@ -207,13 +211,16 @@ def init_attention_backends(result, self):
     model = self.model
     arch = type(model).__name__
     num_layers = self.model_config.num_hidden_layers
-    aux = set_aux_layers(model, cfg.aux_layer_ids, num_layers)
+    aux = set_aux_layers(model, cfg.aux_layer_ids, num_layers, cfg.allow_untested_model)
     ids = aux.layer_ids
+    if not aux.tested:
+        logger.warning("sglang-hs: exporting %s, which sglang-hs has not compared with Hugging Face "
+                       "(--export-allow-untested-model); check the first samples with `sglang-hs verify DIR`", arch)
     ps = self.ps
     writer = None
     if is_writer_rank(ps.attn_tp_rank, ps.attn_cp_rank, ps.pp_rank == ps.pp_size - 1):
         writer = _make_writer(cfg, self, arch, num_layers, ids)
-    _runtime = ExportRuntime(ids, writer)
+    _runtime = ExportRuntime(ids, writer, rank=f"dp{ps.attn_dp_rank}-tp{ps.attn_tp_rank}")
     logger.info("sglang-hs: aux capture on %s layers %s (HF convention; %s reads %s), writer rank: %s",
                 arch, list(ids), aux.path, "+".join(sorted(aux.reads)), writer is not None)
 
@@ -285,7 +292,7 @@ def compute_max_prefix_len(result, self, input_len):
     if _runtime is None:
         return None
     st = _state_of(self)
-    return None if st is None else st.prefix_cap(result)
+    return None if st is None else _runtime.prefix_cap(st, result)
 
 
 @seam("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", HookType.AROUND)
@@ -362,12 +369,14 @@ def gloo_groups_without_pynccl(self, *args, **kwargs):
     device, but got: cpu"). A gloo group cannot use NCCL; without it, CPU all-reduce and
     all-gather already go through torch.distributed on gloo (upstream's shared-memory
     kernels need sgl-kernel's AMX build). This is what lets tensor parallelism run, and be
-    tested, in CPU mode; groups on any other backend are untouched. Upstream PR: default
+    tested, in CPU mode; groups on any other backend, and any machine with CUDA, are
+    untouched. Upstream PR: default
     use_pynccl to False for gloo groups. Remove with it.
     """
     names = ("group_ranks", "local_rank", "torch_distributed_backend", "use_pynccl")
     bound = dict(zip(names, args), **kwargs)
-    if str(bound.get("torch_distributed_backend")) != "gloo" or not bound.get("use_pynccl"):
+    if (str(bound.get("torch_distributed_backend")) != "gloo" or not bound.get("use_pynccl")
+            or torch.cuda.is_available()):
         return None
     if len(args) > 3:
         args = (*args[:3], False, *args[4:])

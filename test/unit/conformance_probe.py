@@ -73,8 +73,8 @@ from sglang_hs.aux_layers import loop_reads  # noqa: E402
 STACKS = {
     "llama.LlamaModel", "qwen2.Qwen2Model", "qwen3.Qwen3Model", "qwen2_moe.Qwen2MoeModel",
     "qwen3_moe.Qwen3MoeModel", "deepseek_v2.DeepseekV2Model", "gemma3_causal.Gemma3TextModel",
-    "bailing_moe.BailingMoEModel", "gpt_oss.GptOssModel", "minimax_m3.MiniMaxM3SparseModel",
-    "qwen3_next.Qwen3NextModel", "glm4_moe.Glm4MoeModel", "mellum.MellumModel",
+    "bailing_moe.BailingMoEModel", "gpt_oss.GptOssModel",
+    "qwen3_next.Qwen3NextModel", "glm4_moe.Glm4MoeModel", "mellum.MellumModel", "minimax_m3.MiniMaxM3Model",
 }
 f["loop_reads"] = {}
 for name in sorted(STACKS):

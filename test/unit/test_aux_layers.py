@@ -118,7 +118,7 @@ ids_strategy = st.sets(st.integers(1, L - 1), min_size=1, max_size=L - 1).map(so
 @given(ids=ids_strategy)
 def test_the_forward_captures_exactly_the_requested_ids(family, ids):
     model = FAMILIES[family]()
-    aux = set_aux_layers(model, ids, L)
+    aux = set_aux_layers(model, ids, L, allow_untested=True)
     assert stack_of(model).forward() == ids
     assert list(aux.layer_ids) == ids
 
@@ -126,7 +126,7 @@ def test_the_forward_captures_exactly_the_requested_ids(family, ids):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_no_ids_gives_the_family_default_unshifted(family):
     model = FAMILIES[family]()
-    aux = set_aux_layers(model, None, L)
+    aux = set_aux_layers(model, None, L, allow_untested=True)
     assert stack_of(model).forward() == [2, L // 2, L - 3] == list(aux.layer_ids)
 
 
@@ -144,7 +144,7 @@ def test_the_stack_is_found_through_wrappers_under_its_canonical_path():
 
 def test_capture_is_switched_on_by_the_family_setter():
     model = KimiLike(ListStack())
-    set_aux_layers(model, [1, 5], L)
+    set_aux_layers(model, [1, 5], L, allow_untested=True)
     assert model.language_model.capture_aux_hidden_states is True
 
 
@@ -155,7 +155,7 @@ def test_a_loop_we_cannot_read_is_refused():
 
 def test_a_readback_that_differs_is_refused():
     with pytest.raises(AuxLayersError, match=r"asked to capture HF layers \[1, 4\] but model will capture \[2, 5\]"):
-        set_aux_layers(LlamaLike(ShiftingStack()), [1, 4], L)
+        set_aux_layers(LlamaLike(ShiftingStack()), [1, 4], L, allow_untested=True)
 
 
 @pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLMNextN", "LlamaForCausalLMEagle3", "EmbeddingGemmaModel",
@@ -180,3 +180,18 @@ def test_a_model_without_a_stack_or_setter_is_refused():
 def test_bad_ids_name_the_default():
     with pytest.raises(AuxLayersError, match=r"out of range.*default is \[2, 6, 9\]"):
         set_aux_layers(LlamaLike(ListStack()), [0, 3], L)
+
+
+def test_a_stack_known_to_capture_other_values_is_refused():
+    class Gemma3TextModel(ListStack):
+        pass
+
+    with pytest.raises(AuxLayersError, match="MLP output"):
+        set_aux_layers(LlamaLike(Gemma3TextModel()), [1, 2], L)
+
+
+def test_a_class_never_compared_with_hf_is_refused_unless_allowed():
+    with pytest.raises(AuxLayersError, match="never compared.*--export-allow-untested-model"):
+        set_aux_layers(LlamaLike(ListStack()), [1, 4], L)
+    tested = type("Qwen3MoeForCausalLM", (Qwen3MoeLike,), {})
+    assert set_aux_layers(tested(FlagStack()), [1, 4], L).tested

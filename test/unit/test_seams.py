@@ -88,3 +88,40 @@ def test_layer_id_mapping_of_upstream_families(probe):
 def test_mla_routing_sends_torch_native_to_mla_and_leaves_other_backends_alone(probe):
     assert probe["mla_routing"]["torch_native"] == "MLA"
     assert probe["mla_routing"]["triton"].startswith("sglang.srt."), "triton's own routing must stay"
+
+
+def test_loop_reads_of_upstream_stacks(probe):
+    """Which capture state each decoder stack's loop reads (sglang_hs.aux_layers sets our ids
+    there): a family switching between the list and the flags fails here."""
+    flags, both, lst = ["_is_layer_to_capture"], ["_is_layer_to_capture", "layers_to_capture"], ["layers_to_capture"]
+    assert probe["loop_reads"] == {
+        "bailing_moe.BailingMoEModel": both, "deepseek_v2.DeepseekV2Model": lst,
+        "gemma3_causal.Gemma3TextModel": lst, "glm4_moe.Glm4MoeModel": lst, "gpt_oss.GptOssModel": lst,
+        "llama.LlamaModel": lst, "mellum.MellumModel": flags, "minimax_m3.MiniMaxM3Model": flags,
+        "qwen2.Qwen2Model": lst, "qwen2_moe.Qwen2MoeModel": flags, "qwen3.Qwen3Model": lst,
+        "qwen3_moe.Qwen3MoeModel": flags, "qwen3_next.Qwen3NextModel": flags,
+    }
+
+
+def readme_family_table():
+    readme = open(os.path.join(HERE, "..", "..", "README.md")).read()
+    body = readme.split("<!-- family-table -->")[1].split("<!-- /family-table -->")[0]
+    rows = {}
+    for line in body.strip().splitlines()[2:]:
+        cls, status, note = (c.strip() for c in line.strip("|").split("|"))
+        rows[cls.strip("`")] = (status, note)
+    return rows
+
+
+def test_readme_family_table_lists_every_class_with_an_eagle3_setter(probe):
+    from sglang_hs.aux_layers import DRAFT_SUFFIXES, REFUSED, REFUSED_STACKS, TESTED_ON_CPU
+
+    rows = readme_family_table()
+    assert sorted(rows) == sorted(probe["eagle3_classes"])
+    assert {c for c, (st, _) in rows.items() if st == "tested"} == set(TESTED_ON_CPU)
+    assert {st for st, _ in rows.values()} <= {"tested", "refused", "untested"}
+    by_name = {c for c in rows if c in REFUSED or c.endswith(DRAFT_SUFFIXES)}
+    refused = {c for c, (st, _) in rows.items() if st == "refused"}
+    assert by_name <= refused
+    for c in refused - by_name:  # refused for their decoder stack: the note names it
+        assert any(stack in rows[c][1] for stack in REFUSED_STACKS), c
