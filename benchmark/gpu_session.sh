@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the GPU host (no network): unpack the offline SGLang 0.5.17 bundle, install
 # this checkout's wheel next to it, prove the plugin is discoverable, then run the given steps.
-#   benchmark/gpu_session.sh tests baselines        (or: radix-on radix-off)
-# Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu) and .gpu/sglang_hs-*.whl
-# (pip wheel --no-deps -w .gpu .), both carried.
+#   benchmark/gpu_session.sh tests families baselines        (or: radix-on radix-off)
+# Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu), .gpu/sglang_hs-*.whl
+# (pip wheel --no-deps -w .gpu .) and, for `families`, .gpu/tok (the SmolLM2 tokenizer files:
+# tokenizer.json, tokenizer_config.json, chat_template.jinja), all carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,11 +15,14 @@ fi
 python3 -m pip install -q --no-deps --no-index --upgrade --target $SITE .gpu/sglang_hs-*.whl 2>&1 | grep -v WARNING
 export PYTHONPATH=$SITE SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 python3 -c "from importlib.metadata import entry_points as e; assert 'sglang_hs' in [x.name for x in e(group='sglang.srt.plugins')]" || exit 3
-export SGLANG_HS_LOGS=/tmp/hs-logs; mkdir -p $SGLANG_HS_LOGS
+export SGLANG_HS_LOGS=/tmp/hs-logs SGLANG_HS_TOKENIZER=$PWD/.gpu/tok; mkdir -p $SGLANG_HS_LOGS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 for step in "$@"; do
   case $step in
-    tests) SGLANG_HS_GPU_RESULTS=$OUT/gpu_tests.json python3 -m pytest -v -rs -m gpu test/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" ;;
+    tests) SGLANG_HS_GPU_RESULTS=$OUT/gpu_tests.json python3 -m pytest -v -rs -m gpu test/gpu/test_export_gpu.py \
+             test/gpu/test_tp2_export.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" ;;
+    families) SGLANG_HS_GPU_RESULTS=$OUT/gpu_families.json python3 -m pytest -v -rs -m gpu test/gpu/test_families_gpu.py \
+             -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
     *) python3 benchmark/bench_gpu_export.py --phase "$step" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac

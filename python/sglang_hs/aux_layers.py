@@ -60,8 +60,8 @@ class AuxLayers:
 
     @property
     def tested(self) -> bool:
-        """Exported and compared with HF by sglang-hs' own CPU tests."""
-        return self.architecture in TESTED_ON_CPU
+        """Exported and compared with HF by sglang-hs' own tests (CPU or H200)."""
+        return self.architecture in TESTED
 
 
 def find_stack(model: Any) -> Tuple[str, Any]:
@@ -168,14 +168,18 @@ def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: i
     return aux
 
 
-# Checked against the README's family table by test/unit/test_aux_layers.py.
-TESTED_ON_CPU = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "DeepseekV3ForCausalLM",
-    "KimiK25ForConditionalGeneration",
-)
+# Where sglang-hs exported each class and compared it with HF: the CPU server tests
+# (test/server/test_families_cpu.py, test_deepseek_cpu.py) or the H200 GPU tests
+# (test/gpu/test_families_gpu.py, for families whose kernels need a GPU). Checked against the
+# README's family table by test/unit/test_seams.py.
+TESTED = {
+    "LlamaForCausalLM": "CPU", "MistralForCausalLM": "CPU", "Phi3ForCausalLM": "CPU", "Qwen2ForCausalLM": "CPU",
+    "Qwen3ForCausalLM": "CPU", "Qwen2MoeForCausalLM": "CPU", "Qwen3MoeForCausalLM": "CPU and H200",
+    "Glm4MoeForCausalLM": "CPU", "DeepseekV3ForCausalLM": "CPU", "KimiK25ForConditionalGeneration": "CPU and H200",
+    "GptOssForCausalLM": "H200", "Qwen3NextForCausalLM": "H200",
+}
 
 
 def supported_hint() -> str:
-    return ("Exported and checked against Hugging Face on CPU by sglang-hs: " + ", ".join(TESTED_ON_CPU)
+    return ("Exported and checked against Hugging Face by sglang-hs: " + ", ".join(TESTED)
             + "; the README's family table lists every SGLang class and its status.")

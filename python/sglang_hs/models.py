@@ -102,7 +102,13 @@ TINY = {
                       n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1), {}),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(_COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=64,
-                     layer_types=None), {}),
+                     layer_types=None), {"swiglu_limit": 7.0}),
+    # Gated delta-net (linear attention) layers with a full-attention layer every fourth,
+    # MoE with a gated shared expert: triton kernels in SGLang, so GPU only.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(_COMMON, **_MOE, head_dim=16, shared_expert_intermediate_size=64, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        layer_types=None), {"full_attention_interval": 4}),
     # MLA attention, yarn rope, a dense first layer then MoE layers with sigmoid noaux_tc
     # routing and a shared expert: the architecture of Kimi K2.
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(_DEEPSEEK_V3, tie_word_embeddings=False),
@@ -110,8 +116,9 @@ TINY = {
 }
 
 
-def tiny(family: str, out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
-    """A randomly initialised model of `family` (a key of TINY) with SmolLM2's tokenizer."""
+def tiny(family: str, out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8, **geometry) -> str:
+    """A randomly initialised model of `family` (a key of TINY) with SmolLM2's tokenizer;
+    `geometry` overrides config values (GPU kernels want larger heads than the CPU tests)."""
     if _done(out_dir):
         return out_dir
     import torch
@@ -122,7 +129,7 @@ def tiny(family: str, out_dir: str, tokenizer_dir: str, seed: int = 0, num_layer
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = getattr(transformers, cfg_name)(
         vocab_size=len(tok), num_hidden_layers=num_layers, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, torch_dtype=torch.bfloat16, **kwargs)
+        eos_token_id=tok.eos_token_id, torch_dtype=torch.bfloat16, **{**kwargs, **geometry})
     return _save_random(getattr(transformers, model_name), cfg, tok, out_dir, seed,
                         (lambda c: c.update(extra)) if extra else None)
 
@@ -184,7 +191,7 @@ class TextOnlyKimiK25Processor:
 '''
 
 
-def tiny_kimi_k25(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8) -> str:
+def tiny_kimi_k25(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8, **geometry) -> str:
     """The Kimi-K2.5 checkpoint layout around a miniature DeepSeek V3: class
     `KimiK25ForConditionalGeneration`, the text config under `text_config`, the text weights
     under `language_model.`, a small vision config (`language_only`: no vision weights), and
@@ -195,7 +202,7 @@ def tiny_kimi_k25(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: i
 
     from safetensors.torch import load_file, save_file
 
-    text_dir = tiny("deepseek_v3", out_dir + ".text", tokenizer_dir, seed, num_layers)
+    text_dir = tiny("deepseek_v3", out_dir + ".text", tokenizer_dir, seed, num_layers, **geometry)
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(text_dir, tmp)

@@ -114,11 +114,13 @@ def readme_family_table():
 
 
 def test_readme_family_table_lists_every_class_with_an_eagle3_setter(probe):
-    from sglang_hs.aux_layers import DRAFT_SUFFIXES, REFUSED, REFUSED_STACKS, TESTED_ON_CPU
+    from sglang_hs.aux_layers import DRAFT_SUFFIXES, REFUSED, REFUSED_STACKS, TESTED
 
     rows = readme_family_table()
     assert sorted(rows) == sorted(probe["eagle3_classes"])
-    assert {c for c, (st, _) in rows.items() if st == "tested"} == set(TESTED_ON_CPU)
+    assert {c for c, (st, _) in rows.items() if st == "tested"} == set(TESTED)
+    for c, where in TESTED.items():
+        assert f"on {where}" in rows[c][1], f"{c}: the note must say where it was tested ({where})"
     assert {st for st, _ in rows.values()} <= {"tested", "refused", "untested"}
     by_name = {c for c in rows if c in REFUSED or c.endswith(DRAFT_SUFFIXES)}
     refused = {c for c, (st, _) in rows.items() if st == "refused"}
