@@ -17,7 +17,7 @@ from sglang_hs.verify import verify_export
 pytestmark = pytest.mark.server
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(REPO, "scripts", "capture", "kimi_k25_tp8_sm120.sh")
-CHATS = 24
+CHATS = 12
 
 
 def test_kimi_recipe_starts_captures_and_converts_in_miniature(tiny_kimi_path, tmp_path):
