@@ -33,7 +33,8 @@ LIST, FLAGS = "layers_to_capture", "_is_layer_to_capture"
 # Classes that have the EAGLE-3 setter but are not target models one exports from.
 REFUSED = {
     "EmbeddingGemmaModel": "an embedding model; it serves no generation requests",
-    "MindSporeForCausalLM": "runs its layers inside MindSpore; its capture cannot be read back",
+    "MindSporeForCausalLM": "its layers are a MindSpore model (sgl_mindspore, Ascend NPUs), not a torch "
+                            "decoder stack whose capture sglang-hs can read back",
 }
 DRAFT_SUFFIXES = ("NextN", "MTP", "Eagle", "Eagle3", "AssistantForCausalLM")
 # Decoder stacks whose loop captures something other than HF's hidden state (the residual
