@@ -41,7 +41,10 @@ def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
             f"custom_params[{REQUEST_KEY!r}] must be a dict with keys export (bool), "
             f"loss_mask (list of 0/1, one per prompt token), metadata (dict); got {raw!r:.200}"
         )
-    opts = RequestOptions(export=bool(raw.get("export", True)), token=raw.get("token"))
+    export = raw.get("export", True)
+    if not isinstance(export, bool):  # bool("false") is True: a string must not mean yes
+        raise RequestOptionsError(f"export must be true or false (a JSON boolean); got {export!r:.50}")
+    opts = RequestOptions(export=export, token=raw.get("token"))
     lm = raw.get("loss_mask")
     if lm is not None:
         if not isinstance(lm, list) or any(v not in (0, 1) or isinstance(v, float) for v in lm):

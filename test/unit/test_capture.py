@@ -139,6 +139,6 @@ def test_request_options():
     assert o.loss_mask == [0, 1] and o.metadata == {"src": "x"}
     assert not parse_request_options({"sglang_hs": {"export": False}}).export
     for bad in ({"loss_mask": [0, 2]}, {"loss_mask": "11"}, {"metadata": [1]}, {"nope": 1},
-                {"metadata": {"x": "y" * 20000}}):
+                {"metadata": {"x": "y" * 20000}}, {"export": "false"}, {"export": 0}, {"export": None}):
         with pytest.raises(RequestOptionsError):
             parse_request_options({"sglang_hs": bad})
