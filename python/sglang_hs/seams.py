@@ -465,14 +465,22 @@ async def generate_request(original, self, obj, request=None):
         waiter.release(explicit, token, unclaimed)
 
 
+def _batch_size(obj) -> int:
+    """How many requests a /generate call holds, read before SGLang normalises it: a batch of
+    prompts may come with one rid-less, shared sampling_params dict."""
+    for field in (obj.rid, obj.sampling_params, obj.text):
+        if isinstance(field, list):
+            return len(field)
+    ids = obj.input_ids
+    return len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else 1
+
+
 def _check_request(obj, waiter, token: str) -> Tuple[Callable[[str], bool], List[str]]:
     """Validate rids and options and tag each exported entry with this call's token.
 
     Returns which (final) rids are exported and the explicit rids among them.
     """
-    n = 1 if not isinstance(obj.rid, list) else len(obj.rid)
-    if isinstance(obj.sampling_params, list):
-        n = max(n, len(obj.sampling_params))
+    n = _batch_size(obj)
     if obj.sampling_params is None:
         obj.sampling_params = {}
     rids = _as_list(obj.rid, n)

@@ -184,6 +184,18 @@ def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
     assert "Traceback" not in log
 
 
+def test_a_batch_sharing_one_opted_out_sampling_params_is_answered_at_once(tiny_server):
+    """Every prompt of the batch is opted out; none is waited for (it used to wait the full
+    write timeout for all but the first)."""
+    srv = tiny_server
+    before = {e["id"] for e in read_manifest(srv.out)}
+    r = requests.post(srv.url + "/generate", timeout=60, json={
+        "input_ids": prompts(30, [5, 7, 9]), "sampling_params": {
+            "max_new_tokens": 1, "custom_params": {"sglang_hs": {"export": False}}}})
+    assert r.status_code == 200 and len(r.json()) == 3, r.text
+    assert {e["id"] for e in read_manifest(srv.out)} == before
+
+
 def test_health_checks_are_answered_and_never_exported(tiny_server):
     srv = tiny_server
     before = [e["id"] for e in read_manifest(srv.out)]
