@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import aiohttp
 
-from sglang_hs.format import human_bytes
+from sglang_hs.format import SampleIdError, check_sample_id, human_bytes
 from sglang_hs.masks import truncate
 from sglang_hs.records import RecordError, Sample, iter_records, sample_id, to_sample
 
@@ -267,6 +267,12 @@ def load_tokenizer(cfg: CaptureConfig):
 
 
 def capture(cfg: CaptureConfig) -> Summary:
+    if cfg.id_prefix:
+        try:
+            check_sample_id(sample_id(cfg.id_prefix, 0, {}))
+        except SampleIdError:
+            raise SampleIdError(f"--id-prefix {cfg.id_prefix!r}: sample ids must start with a letter or digit "
+                                "and use only A-Z a-z 0-9 . _ - (e.g. 'run1-')") from None
     tok = load_tokenizer(cfg)
     summ = asyncio.run(_capture(cfg, tok))
     if cfg.progress:

@@ -81,8 +81,9 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 def sample_id(prefix: str, index: int, rec: dict) -> str:
     """Stable across reruns: position in the dataset plus a hash of the record's content."""
     h = hashlib.sha1(json.dumps(rec, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    own = _SAFE.sub("_", str(rec["id"]))[:60] + "-" if rec.get("id") is not None else ""
-    return f"{prefix}{own}{index:08d}-{h}"
+    # A sample id must start with a letter or digit (format.check_sample_id).
+    own = _SAFE.sub("_", str(rec["id"]))[:60].lstrip("._-") if rec.get("id") is not None else ""
+    return f"{prefix}{own + '-' if own else ''}{index:08d}-{h}"
 
 
 def to_sample(tok, rec: dict, sid: str, last_turn_only: bool = False, mask_reasoning: bool = False) -> Sample:

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from sglang_hs.client import _Router, load_done
 
 
@@ -68,3 +70,13 @@ def test_capture_retries_in_flight_ids_and_records_odd_answers_without_stopping(
     assert any("hidden_states_export" in f["error"] for f in failed)
     assert any("HTTP 400" in f["error"] for f in failed)
     assert (tmp_path / "out" / JOURNAL).exists()
+
+
+def test_an_id_prefix_the_server_would_refuse_stops_the_run_before_it_starts(tmp_path):
+    from sglang_hs.client import CaptureConfig, capture
+    from sglang_hs.format import SampleIdError
+
+    cfg = CaptureConfig(servers=["http://127.0.0.1:9"], data=str(tmp_path / "none.jsonl"), out=str(tmp_path),
+                        id_prefix="_run")
+    with pytest.raises(SampleIdError, match="--id-prefix '_run'"):
+        capture(cfg)

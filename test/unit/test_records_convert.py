@@ -3,6 +3,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from sglang_hs.convert import ExportDataset, inspect_export, to_specforge, to_speculators
@@ -45,6 +47,12 @@ def test_sample_ids_are_stable_safe_and_content_addressed():
     a, b = sample_id("p-", 7, rec), sample_id("p-", 7, dict(rec))
     assert a == b and check_sample_id(a) == a
     assert sample_id("p-", 7, {**rec, "messages": []}) != a and sample_id("p-", 8, rec) != a
+
+
+@given(own=st.one_of(st.none(), st.text(max_size=300), st.integers()), index=st.integers(0, 10**9))
+def test_every_record_id_gives_a_sample_id_the_server_accepts(own, index):
+    sid = sample_id("", index, {"id": own, "text": "x"})
+    assert check_sample_id(sid) == sid
 
 
 def test_hf_dataset_on_disk(tmp_path):
