@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import threading
 from typing import Dict, Iterable, Optional, Set, Tuple
@@ -77,8 +78,11 @@ class ExportWaiter:
 
     async def _recv_loop(self) -> None:
         while True:
-            msg = await self._sock.recv_json()
-            self.deliver(msg)
+            raw = await self._sock.recv()
+            try:
+                self.deliver(json.loads(raw))
+            except Exception:  # one bad message must not leave every later /generate waiting
+                logger.exception("sglang-hs: dropped an undeliverable export notification %.200r", raw)
 
     def deliver(self, msg: dict) -> None:
         key = (msg["rid"], msg.get("token"))

@@ -87,3 +87,19 @@ def test_a_success_reported_after_its_client_left_still_counts_as_exported(addr,
 
     w = run(main())
     assert "s3" in w.exported and not w._results
+
+
+def test_a_message_that_cannot_be_delivered_does_not_stop_the_receiver(addr, tmp_path):
+    """The receiver used to die on the first bad message, after which every /generate waited
+    its full timeout."""
+    async def main():
+        w = ExportWaiter(addr, str(tmp_path), timeout_s=5)
+        push = Notifier(addr)
+        push({"no": "rid"})  # a KeyError in delivery
+        push(["not", "a", "dict"])
+        push._sock.send(b"\xff not json")
+        w.admit(["s2"])
+        push(ok("s2", "t"))
+        return await w.wait("s2", "t")
+
+    assert run(main())["ok"]
