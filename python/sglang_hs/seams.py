@@ -154,6 +154,10 @@ def _check_startup(server_args, args) -> ExportConfig:
                                 "decoding yet; export with a plain target server.")
     if server_args.tokenizer_worker_num > 1:
         raise ExportConfigError("--export-hidden-states-dir needs --tokenizer-worker-num 1.")
+    if server_args.nnodes > 1:
+        # Writers tell the HTTP process over an ipc:// socket, which exists on one host only.
+        raise ExportConfigError("--export-hidden-states-dir with --nnodes > 1 is not supported yet: run one "
+                                "server per node (each with its own export directory) behind a router.")
     out_dir = check_out_dir(args.export_hidden_states_dir)
     ids = None
     if args.export_aux_layer_ids is not None:
