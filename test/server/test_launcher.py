@@ -18,7 +18,7 @@ def test_help_lists_the_export_flags():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     for flag in ("--export-hidden-states-dir", "--export-aux-layer-ids", "--export-host-buffer-gib",
-                 "--export-writer-threads", "--export-write-timeout"):
+                 "--export-writer-threads", "--export-write-timeout", "--export-allow-untested-model"):
         assert flag in r.stdout
 
 
