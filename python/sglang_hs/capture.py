@@ -70,7 +70,12 @@ class ReqExport:
     prompt_ids: Sequence[int]
     options: RequestOptions
     next_pos: int = 0  # prompt positions [0, next_pos) have gone through a forward
-    done: bool = False  # the sample was handed to the writer (or failed); never export again
+    # Planning is over: the whole prompt went through forwards, or planning failed it. Set
+    # only by plan_forward, identically on every rank, because prefix_cap reads it there.
+    done: bool = False
+    # The writer keeps no rows for it and has reported its outcome (failed or aborted).
+    # Writer rank only: planning goes on, so every rank still caps its prefix alike.
+    dropped: bool = False
     error: Optional[str] = None
     chunks: List["Piece"] = dataclasses.field(default_factory=list)  # writer only, in prompt order
     rows_held: int = 0
@@ -95,9 +100,14 @@ class ReqExport:
         return {"rid": self.rid, "token": self.options.token, **fields}
 
     def fail(self, message: str) -> None:
-        """Mark the sample as never to be written; the caller releases its rows."""
-        self.error = message
+        """Planning failed the sample (on every rank): never plan or write it again."""
+        self.drop(message)
         self.done = True
+
+    def drop(self, message: Optional[str]) -> None:
+        """Never write the sample; the caller releases its rows (writer rank)."""
+        self.error = message
+        self.dropped = True
 
     def add_rows(self, start: int, pieces: Sequence["Piece"]) -> None:
         """Rows for prompt positions [start, ...); a restart at start < held (re-prefill
@@ -185,6 +195,7 @@ def plan_forward(
                     rows.extend(range(offset, offset + n))
                     segments.append(Segment(st, p, n))
                     st.next_pos = p + n
+                    st.done = st.next_pos == st.prompt_len
         offset += e
     return rows, segments, failed
 
@@ -224,7 +235,7 @@ def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any 
             pieces.append(Piece(cur.aux[pos:pos + take], cur.final[pos:pos + take], cur.slab))
             pos += take
             need -= take
-        if st.done:  # failed meanwhile
+        if st.dropped:  # failed or aborted meanwhile
             for p in pieces:
                 p.release()
             continue

@@ -104,12 +104,7 @@ class ExportRuntime:
         for st in failed:
             self._fail(st)
         self._maybe_log_stats()
-        if not segments:
-            return False
-        if self.writer is None:
-            for seg in segments:
-                if seg.state.next_pos == seg.state.prompt_len:
-                    seg.state.done = True
+        if not segments or self.writer is None:
             return False
         self._fwd = _Forward(rows, segments)
         return True
@@ -163,19 +158,18 @@ class ExportRuntime:
             return
         if fwd.staged is None:
             for seg in fwd.segments:
-                seg.state.fail("the forward produced no hidden states for this request "
-                               "(the model bypassed its LogitsProcessor)")
-                self._fail(seg.state)
+                self._drop(seg.state, "the forward produced no hidden states for this request "
+                                      "(the model bypassed its LogitsProcessor)")
             return
         complete = split_rows(fwd.staged, fwd.segments, fwd.ready)
         for p in fwd.staged:  # the forward's own hold; the requests now hold the slabs
             p.release()
         for st in complete:
-            st.done = True
-            self._in_progress.pop(id(st), None)
             self.writer.submit(st, st.aborted)
         for seg in fwd.segments:
-            if not seg.state.done:
+            if seg.state.done or seg.state.dropped:
+                self._in_progress.pop(id(seg.state), None)
+            else:
                 self._in_progress[id(seg.state)] = seg.state
         self._sweep()
 
@@ -202,17 +196,21 @@ class ExportRuntime:
             for p in fwd.staged or []:
                 p.release()
             for seg in fwd.segments:
-                seg.state.fail("the forward pass failed; see the server log")
-                self._fail(seg.state)
+                self._drop(seg.state, "the forward pass failed; see the server log")
 
     def _sweep(self) -> None:
         """Requests aborted mid chunked prefill: drop their rows, write nothing."""
         for key, st in list(self._in_progress.items()):
             if st.aborted():
                 del self._in_progress[key]
-                st.done = True
+                st.drop(None)
                 self.writer.drop(st)
                 self.writer.notify(st.message(ok=False, aborted=True))
+
+    def _drop(self, st: ReqExport, message: str) -> None:
+        """A failure only the writer sees: report it, keep no rows; planning goes on."""
+        st.drop(message)
+        self._fail(st)
 
     def _fail(self, st: ReqExport) -> None:
         self._in_progress.pop(id(st), None)
