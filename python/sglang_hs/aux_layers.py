@@ -20,7 +20,7 @@ import inspect
 import re
 from typing import Any, FrozenSet, List, Optional, Sequence, Tuple
 
-from sglang_hs.config import ExportConfigError
+from sglang_hs.config import ExportConfigError, check_aux_layer_ids
 
 # Attribute names under which multimodal and wrapper classes keep the text model, tried in
 # this order (KimiK25ForConditionalGeneration: language_model.model; Gemma3 and Llama4
@@ -110,9 +110,7 @@ def captured_ids(stack: Any, reads: FrozenSet[str]) -> List[int]:
     flagged = [i for i, layer in enumerate(stack.layers) if getattr(layer, FLAGS, False)]
     if reads == {FLAGS}:
         return flagged
-    listed = sorted(int(i) for i in getattr(stack, LIST))
-    # A loop reading both would capture a flagged layer twice; we keep every flag off there.
-    return listed if not flagged else sorted(listed + flagged)
+    return sorted([int(i) for i in getattr(stack, LIST)] + flagged)  # both: a flagged id twice
 
 
 def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: int,
@@ -125,8 +123,6 @@ def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: i
     class's export with Hugging Face: the read-back proves the layer ids, not the values
     (SGLang's Gemma3 loop captures the right ids and the wrong tensors).
     """
-    from sglang_hs.config import check_aux_layer_ids
-
     arch = type(model).__name__
     if arch in REFUSED or arch.endswith(DRAFT_SUFFIXES):
         why = REFUSED.get(arch, "a draft model (EAGLE / MTP / NextN head), not a target model")
@@ -150,11 +146,12 @@ def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: i
         ids = check_aux_layer_ids(layer_ids if layer_ids is not None else default, num_layers)
     except ExportConfigError as e:
         raise AuxLayersError(f"{e} (the model's default is {list(default)}; pass --export-aux-layer-ids)") from None
-    for i, layer in enumerate(stack.layers):
-        if FLAGS in reads and reads != {FLAGS}:
-            setattr(layer, FLAGS, False)  # read twice otherwise (Bailing)
-        elif FLAGS in reads:
-            setattr(layer, FLAGS, i in ids)
+    if FLAGS in reads:
+        # Flags are the ids where the loop reads only flags; all off where it also reads the
+        # list (Bailing), which would capture a flagged layer twice.
+        only_flags = reads == {FLAGS}
+        for i, layer in enumerate(stack.layers):
+            setattr(layer, FLAGS, only_flags and i in ids)
     setattr(stack, LIST, list(ids))
     got = captured_ids(stack, reads)
     if got != list(ids):
