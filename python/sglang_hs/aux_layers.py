@@ -107,10 +107,9 @@ def loop_reads(stack_cls: type) -> FrozenSet[str]:
 
 def captured_ids(stack: Any, reads: FrozenSet[str]) -> List[int]:
     """Read back the ids the stack's loop will capture, from the state it reads."""
-    flagged = [i for i, layer in enumerate(stack.layers) if getattr(layer, FLAGS, False)]
-    if reads == {FLAGS}:
-        return flagged
-    return sorted([int(i) for i in getattr(stack, LIST)] + flagged)  # both: a flagged id twice
+    flagged = [i for i, layer in enumerate(stack.layers) if getattr(layer, FLAGS, False)] if FLAGS in reads else []
+    listed = [int(i) for i in getattr(stack, LIST)] if LIST in reads else []
+    return sorted(listed + flagged)  # a loop reading both captures a listed and flagged id twice
 
 
 def set_aux_layers(model: Any, layer_ids: Optional[Sequence[int]], num_layers: int,
