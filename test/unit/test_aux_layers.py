@@ -195,3 +195,10 @@ def test_a_class_never_compared_with_hf_is_refused_unless_allowed():
         set_aux_layers(LlamaLike(ListStack()), [1, 4], L)
     tested = type("Qwen3MoeForCausalLM", (Qwen3MoeLike,), {})
     assert set_aux_layers(tested(FlagStack()), [1, 4], L).tested
+
+
+def test_a_flag_the_loop_does_not_read_does_not_count():
+    model = LlamaLike(ListStack())
+    model.model.layers[5]._is_layer_to_capture = True  # e.g. left by another feature's setter
+    assert list(set_aux_layers(model, [1, 4], L, allow_untested=True).layer_ids) == [1, 4]
+    assert model.model.forward() == [1, 4]
