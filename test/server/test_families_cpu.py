@@ -24,9 +24,8 @@ NUM_LAYERS = 8
 AUX = [1, 3, 7]  # the family default for 8 layers is [2, 4, 5]
 
 # family (a key of models.TINY, or kimi_k25) -> the class SGLang serves it with. DeepSeek V3
-# at [1, 4, 7] is test_deepseek_cpu.py.
+# at [1, 4, 7] is test_deepseek_cpu.py, Llama at [1, 3, 7] test_tp_cpu.py (TP1 and TP2).
 FAMILIES = {
-    "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -45,8 +44,9 @@ def tiny_model(family, tokenizer_dir):
     return models.tiny(family, out, tokenizer_dir, num_layers=NUM_LAYERS)
 
 
-def test_every_class_tested_on_cpu_is_exported_here_or_in_the_deepseek_test():
-    assert {c for c, where in TESTED.items() if "CPU" in where} == set(FAMILIES.values()) | {"DeepseekV3ForCausalLM"}
+def test_every_class_tested_on_cpu_is_exported_here_or_in_the_deepseek_and_tp_tests():
+    elsewhere = {"DeepseekV3ForCausalLM", "LlamaForCausalLM"}
+    assert {c for c, where in TESTED.items() if "CPU" in where} == set(FAMILIES.values()) | elsewhere
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

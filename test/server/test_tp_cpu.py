@@ -95,11 +95,12 @@ def test_tp2_samples_equal_tp1_and_match_hf(tp1_out, tp2, tiny_path):
         assert float(cos.min()) > 0.999, f"{rid}: a TP2 row points elsewhere than TP1's (cosine {float(cos.min())})"
     assert diff ** 0.5 <= 2 * hf_err ** 0.5, f"TP2 - TP1 {diff ** 0.5:.3e} vs HF bf16 - fp32 {hf_err ** 0.5:.3e}"
     assert json.load(open(os.path.join(tp2.out, "export.json")))["tp_size"] == 2
-    rep = validate_export(tp2.out, expected_tokens=prompt_set())
-    assert rep.ok, rep.errors
-    v = verify_export(tp2.out, samples=None)
-    print(v.table())
-    assert v.ok, v.table()
+    for out in (tp1_out, tp2.out):  # Llama at the lowest and highest ids, on one rank and on two
+        rep = validate_export(out, expected_tokens=prompt_set())
+        assert rep.ok, rep.errors
+        v = verify_export(out, samples=None)
+        print(v.table())
+        assert v.ok, v.table()
 
 
 def test_an_abort_mid_prefill_writes_nothing_and_both_ranks_go_on(tp2):
