@@ -406,7 +406,6 @@ def qwen2_moe_shared_expert_gate(original, hidden_states, gate_weight, shared_ou
     final_hidden_states.copy_(final_hidden_states.float() + gate[:, None] * shared_output.float())
 
 
-
 # --------------------------------------------------------------------------------------
 # HTTP process: request checks and "durable before 200"
 # --------------------------------------------------------------------------------------

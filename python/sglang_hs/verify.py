@@ -8,6 +8,8 @@ an export is as exact as the runtime can be when its error is of the order of HF
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Dict, List, Optional
 
 import torch
@@ -92,9 +94,6 @@ WRAPPER_PREFIX = "language_model."
 
 
 def _read_config(model_path: str) -> dict:
-    import json
-    import os
-
     with open(os.path.join(model_path, "config.json")) as f:
         return json.load(f)
 
