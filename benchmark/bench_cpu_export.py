@@ -14,11 +14,12 @@ import statistics
 import sys
 import tempfile
 
-from sglang_hs import models
-from sglang_hs.bench import measure_prefill, provenance, random_prompts
-from sglang_hs.cpu import cpu_server_argv
-from sglang_hs.format import human_bytes, validate_export
-from sglang_hs.server import Server
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the dev harness
+
+from harness.bench import measure_prefill, provenance, random_prompts  # noqa: E402
+from sglang_hs.format import human_bytes, validate_export  # noqa: E402
+from sglang_hs.tools import models  # noqa: E402
+from sglang_hs.tools.serve import LocalServer, cpu_server_argv  # noqa: E402
 
 
 def main():
@@ -37,8 +38,8 @@ def main():
     common = ["--model-path", model, "--skip-server-warmup", "--disable-radix-cache"]
     rows = {"off": [], "on": []}
     try:
-        with Server(common, os.path.join(a.work_dir, "bench-off.log")) as off, \
-                Server(common + ["--export-hidden-states-dir", export_dir], os.path.join(a.work_dir, "bench-on.log")) as on:
+        with LocalServer(common, os.path.join(a.work_dir, "bench-off.log")) as off, \
+                LocalServer(common + ["--export-hidden-states-dir", export_dir], os.path.join(a.work_dir, "bench-on.log")) as on:
             warm = random_prompts(4, a.length, seed=999)
             measure_prefill(off.url, warm, 4)
             measure_prefill(on.url, warm, 4, rid_prefix="warm")

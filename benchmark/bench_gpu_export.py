@@ -19,9 +19,11 @@ import sys
 import tempfile
 import time
 
-from sglang_hs.bench import measure_prefill, provenance, random_prompts
-from sglang_hs.format import read_manifest, validate_export
-from sglang_hs.server import Server
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the dev harness
+
+from harness.bench import measure_prefill, provenance, random_prompts  # noqa: E402
+from sglang_hs.format import read_manifest, validate_export  # noqa: E402
+from sglang_hs.tools.serve import LocalServer  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -62,9 +64,9 @@ def phase_pair(model_dir, work, radix: bool, rounds: int):
     extra = [] if radix else ["--disable-radix-cache"]
     export_dir = tempfile.mkdtemp(prefix="hs-", dir="/dev/shm")
     res = {"radix_cache": radix, "export_dir": export_dir, "shapes": {}}
-    with Server(["--model-path", model_dir, *FLAGS, *extra], f"{work}/off-{radix}.log", cpu=False) as off:
+    with LocalServer(["--model-path", model_dir, *FLAGS, *extra], f"{work}/off-{radix}.log", cpu=False) as off:
         res["startup_s_off"] = off.startup_s
-        with Server(["--model-path", model_dir, *FLAGS, *extra, "--export-hidden-states-dir", export_dir],
+        with LocalServer(["--model-path", model_dir, *FLAGS, *extra, "--export-hidden-states-dir", export_dir],
                     f"{work}/on-{radix}.log", cpu=False) as on:
             res["startup_s_on"] = on.startup_s
             warm = random_prompts(64, 1024, seed=7, vocab=128000)
@@ -107,7 +109,7 @@ def phase_pair(model_dir, work, radix: bool, rounds: int):
 
 def phase_baselines(model_dir, work):
     res = {}
-    with Server(["--model-path", model_dir, *FLAGS, "--disable-radix-cache", "--enable-return-hidden-states"],
+    with LocalServer(["--model-path", model_dir, *FLAGS, "--disable-radix-cache", "--enable-return-hidden-states"],
                 f"{work}/rhs.log", cpu=False) as srv:
         ps = random_prompts(16, 1024, seed=5, vocab=128000)
         res["return_hidden_states"] = measure_prefill(srv.url, ps, 16, extra={"return_hidden_states": True})

@@ -8,27 +8,27 @@ MODELS = os.path.join(REPO, ".cache", "models")
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from sglang_hs import models
+    from sglang_hs.tools import models
 
     return models.smollm2(os.path.join(MODELS, "smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="session")
 def tiny_path(smollm2_path):
-    from sglang_hs import models
+    from harness import models
 
     return models.tiny("llama", os.path.join(MODELS, "tiny-llama-8l"), smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_path(smollm2_path):
-    from sglang_hs import models
+    from harness import models
 
     return models.tiny("deepseek_v3", os.path.join(MODELS, "tiny-deepseek-v3-8l"), smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def tiny_kimi_path(smollm2_path):
-    from sglang_hs import models
+    from harness import models
 
     return models.tiny_kimi_k25(os.path.join(MODELS, "tiny-kimi_k25-8l"), smollm2_path)

@@ -17,6 +17,8 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 import torch
 from safetensors import safe_open
 
+from sglang_hs.protocol import DuplicateSampleError, SampleIdError
+
 FORMAT_VERSION = "sglang-hs/1"
 EXPORT_JSON = "export.json"
 MANIFEST = "manifest.jsonl"
@@ -26,14 +28,6 @@ REQUIRED_KEYS = ("token_ids", "aux_hidden_states", "final_hidden_states")
 OPTIONAL_KEYS = ("loss_mask",)
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-
-
-class SampleIdError(ValueError):
-    status_code = 400
-
-
-class DuplicateSampleError(ValueError):
-    status_code = 409
 
 
 def check_sample_id(rid: object) -> str:

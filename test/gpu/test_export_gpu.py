@@ -11,9 +11,10 @@ import random
 import pytest
 import torch
 
+from harness.fixtures import prompts
 from sglang_hs.format import load_sample, read_manifest, validate_export
-from sglang_hs.server import Server
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import verify_export
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -54,18 +55,12 @@ def servers(mini_llama, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     out_on, out_off = str(tmp_path_factory.mktemp("graphs-on")), str(tmp_path_factory.mktemp("graphs-off"))
     common = ["--model-path", mini_llama, *GPU_FLAGS, "--export-aux-layer-ids", "1", "4", "7"]
-    with Server(common + ["--export-hidden-states-dir", out_on], str(logs / "on.log"), cpu=False) as on, \
-            Server(common + ["--export-hidden-states-dir", out_off, "--disable-cuda-graph"],
+    with LocalServer(common + ["--export-hidden-states-dir", out_on], str(logs / "on.log"), cpu=False) as on, \
+            LocalServer(common + ["--export-hidden-states-dir", out_off, "--disable-cuda-graph"],
                    str(logs / "off.log"), cpu=False) as off:
-        on.out, off.out = out_on, out_off
         yield on, off
         for s in (on, off):
             os.system(f"cp {s.log_path} {os.environ.get('SGLANG_HS_LOGS', '/tmp')}/gpu-test-{os.path.basename(s.log_path)}")
-
-
-def prompts(seed, lengths):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 32000) for _ in range(n)] for n in lengths]
 
 
 def send(srv, rid, ids, **sp):
@@ -84,17 +79,17 @@ def test_graphs_on_and_off_agree_and_match_hf(servers):
     on, off = servers
     lengths = [1, 7, 100, 511, 512, 513, 1500, 3000]  # up to 6 chunks of 512
     worst = 0.0
-    for i, ids in enumerate(prompts(0, lengths)):
+    for i, ids in enumerate(prompts(0, lengths, vocab=32000)):
         for s in (on, off):
             send(s, f"seq-{i}", ids)
-        (ta, a), (tb, b) = rows(on.out, f"seq-{i}"), rows(off.out, f"seq-{i}")
+        (ta, a), (tb, b) = rows(on.export_dir, f"seq-{i}"), rows(off.export_dir, f"seq-{i}")
         assert ta["token_ids"].tolist() == ids == tb["token_ids"].tolist()
         rel = float((a - b).norm() / b.norm())
         worst = max(worst, rel)
     record("graphs_on_vs_off_max_rel_diff", worst)
     assert worst < 2e-2, worst
     for name, s in (("graphs_on", on), ("graphs_off", off)):
-        rep = verify_export(s.out, samples=None, device="cuda")
+        rep = verify_export(s.export_dir, samples=None, device="cuda")
         print(name, "\n" + rep.table())
         record(f"hf_{name}", rep.to_dict())
         assert rep.ok, rep.table()
@@ -102,19 +97,19 @@ def test_graphs_on_and_off_agree_and_match_hf(servers):
 
 def test_prefix_cache_and_64_concurrent_mixed_lengths(servers):
     on, _ = servers
-    base, = prompts(1, [1200])
+    base, = prompts(1, [1200], vocab=32000)
     for rid in ("twice-a", "twice-b"):
         assert send(on, rid, base)["cached_tokens"] == 0
-    for j, tail in enumerate(prompts(2, [5, 300])):
+    for j, tail in enumerate(prompts(2, [5, 300], vocab=32000)):
         send(on, f"shared-{j}", base[:700] + tail)
-    assert torch.equal(rows(on.out, "twice-a")[1], rows(on.out, "twice-b")[1])
+    assert torch.equal(rows(on.export_dir, "twice-a")[1], rows(on.export_dir, "twice-b")[1])
     lengths = [random.Random(i).randrange(8, 4000) for i in range(64)]
-    ps = prompts(3, lengths)
+    ps = prompts(3, lengths, vocab=32000)
     with cf.ThreadPoolExecutor(64) as ex:
         list(ex.map(lambda i: send(on, f"conc-{i}", ps[i], max_new_tokens=1 + i % 8), range(64)))
-    rep = validate_export(on.out, expected_tokens={f"conc-{i}": ps[i] for i in range(64)})
+    rep = validate_export(on.export_dir, expected_tokens={f"conc-{i}": ps[i] for i in range(64)})
     assert rep.ok, rep.errors
-    ver = verify_export(on.out, samples=None, device="cuda")
+    ver = verify_export(on.export_dir, samples=None, device="cuda")
     print(ver.table())
     record("hf_graphs_on_after_concurrency", ver.to_dict())
     assert ver.ok, ver.table()

@@ -6,15 +6,15 @@ Needs SGLANG_HS_TOKENIZER: a folder with the SmolLM2 tokenizer (the GPU host has
 
 import json
 import os
-import random
 
 import pytest
 import torch
 
-from sglang_hs import models
+from harness import models
+from harness.fixtures import prompts
 from sglang_hs.format import validate_export
-from sglang_hs.server import Server
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import verify_export
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -27,7 +27,7 @@ RESULTS = os.environ.get("SGLANG_HS_GPU_RESULTS")
 
 
 def test_every_class_tested_on_the_h200_is_exported_here():
-    from sglang_hs.aux_layers import TESTED
+    from sglang_hs.overlay.aux_layers import TESTED
 
     assert {c for c, where in TESTED.items() if "H200" in where} == set(FAMILIES.values())
 
@@ -48,9 +48,8 @@ def test_family_on_gpu_exports_hf_layers(family, tmp_path):
     out = str(tmp_path / "export")
     args = ["--model-path", path, "--export-hidden-states-dir", out, "--export-aux-layer-ids", *map(str, AUX),
             *GPU_FLAGS, *(["--trust-remote-code"] if family == "kimi_k25" else [])]
-    rng = random.Random(family)
-    ids = {f"{family}-{i}": [rng.randrange(3, 49152) for _ in range(n)] for i, n in enumerate([1, 64, 65, 300])}
-    with Server(args, os.path.join(work, f"{family}.log"), cpu=False) as srv:
+    ids = {f"{family}-{i}": p for i, p in enumerate(prompts(family, [1, 64, 65, 300]))}
+    with LocalServer(args, os.path.join(work, f"{family}.log"), cpu=False) as srv:
         for rid, p in ids.items():
             r = srv.generate({"rid": rid, "input_ids": p, "sampling_params": {"max_new_tokens": 2}})
             assert r.status_code == 200, r.text

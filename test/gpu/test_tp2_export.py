@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_hs.format import load_sample, read_manifest, validate_export
-from sglang_hs.server import Server
+from sglang_hs.tools.serve import LocalServer
 
 pytestmark = [pytest.mark.multigpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -30,7 +30,7 @@ def test_tp1_and_tp2_export_the_same_rows(tmp_path):
     outs = {}
     for tp in (1, 2):
         out = str(tmp_path / f"tp{tp}")
-        with Server(["--model-path", model, "--tp-size", str(tp), *FLAGS, "--export-hidden-states-dir", out],
+        with LocalServer(["--model-path", model, "--tp-size", str(tp), *FLAGS, "--export-hidden-states-dir", out],
                     str(tmp_path / f"tp{tp}.log"), cpu=False) as srv:
             for i, ids in enumerate(prompts):
                 r = srv.generate({"rid": f"p{i}", "input_ids": ids, "sampling_params": {"max_new_tokens": 1}})

@@ -12,10 +12,10 @@ from importlib import resources
 
 import pytest
 
-from sglang_hs.client import JOURNAL
+from sglang_hs.tools.capture import JOURNAL
 from sglang_hs.format import load_sample, read_manifest, validate_export
-from sglang_hs.records import iter_records, sample_id, to_sample
-from sglang_hs.server import Server
+from sglang_hs.tools.records import iter_records, sample_id, to_sample
+from sglang_hs.tools.serve import LocalServer
 
 pytestmark = pytest.mark.server
 DATA = str(resources.files("sglang_hs").joinpath("data/chats_200.jsonl"))
@@ -29,14 +29,13 @@ def smol_server(smollm2_path, tmp_path_factory):
     # capture tests are about tokens, masks and resumption, not about dtype.
     args = ["--model-path", smollm2_path, "--export-hidden-states-dir", out, "--dtype", "float32",
             "--skip-server-warmup"]
-    with Server(args, log) as srv:
-        srv.out = out
+    with LocalServer(args, log) as srv:
         yield srv
 
 
 def capture_cmd(srv, *extra):
-    return [sys.executable, "-m", "sglang_hs.cli", "capture", "--server", srv.url, "--data", DATA,
-            "--out", srv.out, "--concurrency", "8", "--no-progress", *extra]
+    return [sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--server", srv.url, "--data", DATA,
+            "--out", srv.export_dir, "--concurrency", "8", "--no-progress", *extra]
 
 
 def journal_lines(out):
@@ -57,9 +56,9 @@ def run_until(cmd, out, lines, sig):
 def test_capture_200_conversations_kill_and_resume(smol_server, smollm2_path):
     srv = smol_server
     # An abrupt kill, then a clean Ctrl-C, then a run to the end.
-    rc1, _ = run_until(capture_cmd(srv), srv.out, 40, signal.SIGKILL)
+    rc1, _ = run_until(capture_cmd(srv), srv.export_dir, 40, signal.SIGKILL)
     assert rc1 == -signal.SIGKILL
-    rc2, text2 = run_until(capture_cmd(srv), srv.out, 90, signal.SIGINT)
+    rc2, text2 = run_until(capture_cmd(srv), srv.export_dir, 90, signal.SIGINT)
     assert rc2 == 130 and "interrupted" in text2, text2
     r = subprocess.run(capture_cmd(srv), capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -72,14 +71,14 @@ def test_capture_200_conversations_kill_and_resume(smol_server, smollm2_path):
     for i, rec in enumerate(iter_records(DATA)):
         s = to_sample(tok, rec, sample_id("", i, rec))
         expected[s.id] = s
-    manifest = read_manifest(srv.out)
+    manifest = read_manifest(srv.export_dir)
     ids = [e["id"] for e in manifest]
     assert len(ids) == len(set(ids)), "a sample was exported twice"
     assert set(ids) == set(expected), f"missing {len(set(expected) - set(ids))}"
-    rep = validate_export(srv.out, expected_tokens={k: v.input_ids for k, v in expected.items()})
+    rep = validate_export(srv.export_dir, expected_tokens={k: v.input_ids for k, v in expected.items()})
     assert rep.ok, rep.errors[:5]
     for e in manifest:
-        t = load_sample(os.path.join(srv.out, e["path"]))
+        t = load_sample(os.path.join(srv.export_dir, e["path"]))
         want = expected[e["id"]].loss_mask
         if want is None:
             assert "loss_mask" not in t
@@ -94,17 +93,17 @@ def test_regenerate_exports_the_models_own_answers(smol_server, tmp_path):
         for q in ("Name a color.", "Say hello.", "Count to three."):
             f.write(json.dumps({"messages": [{"role": "user", "content": q},
                                              {"role": "assistant", "content": "(to be replaced)"}]}) + "\n")
-    cmd = [sys.executable, "-m", "sglang_hs.cli", "capture", "--server", srv.url, "--data", str(data), "--out",
-           srv.out, "--regenerate", "--max-new-tokens", "8", "--id-prefix", "regen-", "--no-progress"]
+    cmd = [sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--server", srv.url, "--data", str(data), "--out",
+           srv.export_dir, "--regenerate", "--max-new-tokens", "8", "--id-prefix", "regen-", "--no-progress"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(srv.argv[srv.argv.index("--model-path") + 1])
-    regen = [e for e in read_manifest(srv.out) if e["id"].startswith("regen-")]
+    regen = [e for e in read_manifest(srv.export_dir) if e["id"].startswith("regen-")]
     assert len(regen) == 3
     for e in regen:
-        t = load_sample(os.path.join(srv.out, e["path"]))
+        t = load_sample(os.path.join(srv.export_dir, e["path"]))
         text = tok.decode(t["token_ids"])
         assert "(to be replaced)" not in text
         answer = tok.decode(t["token_ids"][t["loss_mask"].bool()])

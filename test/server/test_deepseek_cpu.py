@@ -6,13 +6,13 @@ Hugging Face transformers under chunked prefill, concurrency and a shared prefix
 import concurrent.futures as cf
 import json
 import os
-import random
 
 import pytest
 
+from harness.fixtures import prompts
 from sglang_hs.format import validate_export
-from sglang_hs.server import Server
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import verify_export
 
 pytestmark = pytest.mark.server
 AUX = [1, 4, 7]  # of 8 layers: the lowest and highest ids upstream can capture
@@ -24,16 +24,14 @@ def ds_server(tiny_deepseek_path, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("logs") / "server.log")
     args = ["--model-path", tiny_deepseek_path, "--export-hidden-states-dir", out,
             "--export-aux-layer-ids", *map(str, AUX), "--chunked-prefill-size", "64", "--skip-server-warmup"]
-    with Server(args, log) as srv:
-        srv.out = out
+    with LocalServer(args, log) as srv:
         yield srv
 
 
 def test_deepseek_v3_rows_match_hf_at_hf_layer_ids(ds_server, tiny_deepseek_path):
     srv = ds_server
-    rng = random.Random(7)
     lengths = [1, 17, 64, 65, 300, 500, 700]
-    ids = {f"ds-{i}": [rng.randrange(3, 49152) for _ in range(n)] for i, n in enumerate(lengths)}
+    ids = {f"ds-{i}": p for i, p in enumerate(prompts(7, lengths))}
     ids["ds-shared"] = ids["ds-5"][:200] + [11, 12, 13]  # a cached prefix it must recompute
 
     def send(rid):
@@ -44,10 +42,10 @@ def test_deepseek_v3_rows_match_hf_at_hf_layer_ids(ds_server, tiny_deepseek_path
             assert r.status_code == 200, r.text
             assert r.json()["meta_info"]["hidden_states_export"]["num_tokens"] == len(ids[rid])
 
-    meta = json.load(open(os.path.join(srv.out, "export.json")))
+    meta = json.load(open(os.path.join(srv.export_dir, "export.json")))
     assert meta["architecture"] == "DeepseekV3ForCausalLM" and meta["aux_layer_ids"] == AUX
-    rep = validate_export(srv.out, expected_tokens=ids)
+    rep = validate_export(srv.export_dir, expected_tokens=ids)
     assert rep.ok and rep.samples == len(ids), rep.errors
-    v = verify_export(srv.out, samples=None)
+    v = verify_export(srv.export_dir, samples=None)
     print(v.table())
     assert v.ok, v.table() + "\n" + "\n".join(v.format_errors)

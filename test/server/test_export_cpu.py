@@ -1,5 +1,5 @@
 """A real SGLang server on CPU, started with the stock launcher and our flag; references from
-Hugging Face transformers (sglang_hs.verify runs the HF forward, independent of SGLang)."""
+Hugging Face transformers (sglang_hs.tools.verify runs the HF forward, independent of SGLang)."""
 
 import concurrent.futures as cf
 import os
@@ -12,18 +12,14 @@ import pytest
 import requests
 import torch
 
+from harness.fixtures import prompts
 from sglang_hs.format import load_sample, read_manifest, validate_export
-from sglang_hs.server import Server
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import verify_export
 
 pytestmark = pytest.mark.server
 
 CHUNK = 64
-
-
-def prompts(seed, lengths, vocab=49152):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def export(srv, rid, ids, max_new_tokens=1, **extra):
@@ -51,8 +47,7 @@ def tiny_server(tiny_path, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("logs") / "server.log")
     args = ["--model-path", tiny_path, "--export-hidden-states-dir", out, "--chunked-prefill-size", str(CHUNK),
             "--enable-return-hidden-states", "--skip-server-warmup", "--log-level", "info"]
-    with Server(args, log) as srv:
-        srv.out = out
+    with LocalServer(args, log) as srv:
         yield srv
 
 
@@ -64,7 +59,7 @@ def test_rows_equal_return_hidden_states_and_match_hf_across_many_chunks(tiny_se
         assert r.status_code == 200, r.text
         meta = r.json()["meta_info"]
         assert meta["hidden_states_export"]["num_tokens"] == len(ids)
-        t = sample(srv.out, f"exact-{i}")
+        t = sample(srv.export_dir, f"exact-{i}")
         assert t["token_ids"].tolist() == ids
         # The runtime's own rows (packed aux, as upstream returns them with aux capture on):
         # equal where they overlap (upstream returns the rows of the last prefill chunk).
@@ -73,7 +68,7 @@ def test_rows_equal_return_hidden_states_and_match_hf_across_many_chunks(tiny_se
             rt = rt[None]
         ours = t["aux_hidden_states"].float().flatten(1)[-rt.shape[0]:]
         assert rt.shape[0] >= 1 and torch.equal(ours, rt), f"prompt {i}: differs from return_hidden_states"
-    assert_exact_vs_hf(srv.out)
+    assert_exact_vs_hf(srv.export_dir)
 
 
 def test_prefix_cache_same_prompt_twice_and_shared_prefixes(tiny_server):
@@ -87,15 +82,15 @@ def test_prefix_cache_same_prompt_twice_and_shared_prefixes(tiny_server):
         assert r.status_code == 200, r.text
         assert r.json()["meta_info"]["cached_tokens"] == 0  # exported requests recompute in full
     for rid, ids in cases.items():
-        t = sample(srv.out, rid)
+        t = sample(srv.export_dir, rid)
         assert t["token_ids"].tolist() == ids and t["final_hidden_states"].shape[0] == len(ids)
-    a, b = sample(srv.out, "twice-a"), sample(srv.out, "twice-b")
+    a, b = sample(srv.export_dir, "twice-a"), sample(srv.export_dir, "twice-b")
     assert torch.equal(a["aux_hidden_states"], b["aux_hidden_states"])
     # Other traffic keeps using the cache.
     r = export(srv, "not-exported", base, sp={"custom_params": {"sglang_hs": {"export": False}}})
     assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] > 0
     assert "hidden_states_export" not in r.json()["meta_info"]
-    assert "not-exported" not in {e["id"] for e in read_manifest(srv.out)}
+    assert "not-exported" not in {e["id"] for e in read_manifest(srv.export_dir)}
 
 
 def test_32_concurrent_requests_of_mixed_lengths(tiny_server):
@@ -105,9 +100,9 @@ def test_32_concurrent_requests_of_mixed_lengths(tiny_server):
     with cf.ThreadPoolExecutor(32) as ex:
         rs = list(ex.map(lambda i: export(srv, f"conc-{i}", ps[i], max_new_tokens=1 + i % 4), range(32)))
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
-    rep = validate_export(srv.out, expected_tokens={f"conc-{i}": ps[i] for i in range(32)})
+    rep = validate_export(srv.export_dir, expected_tokens={f"conc-{i}": ps[i] for i in range(32)})
     assert rep.ok, rep.errors
-    assert_exact_vs_hf(srv.out)
+    assert_exact_vs_hf(srv.export_dir)
 
 
 def test_loss_mask_and_metadata_land_in_the_file(tiny_server):
@@ -117,17 +112,17 @@ def test_loss_mask_and_metadata_land_in_the_file(tiny_server):
     r = export(srv, "masked", ids, sp={"custom_params": {"sglang_hs": {"loss_mask": [int(m) for m in mask],
                                                                        "metadata": {"source": "unit", "n": 3}}}})
     assert r.status_code == 200, r.text
-    t = sample(srv.out, "masked")
+    t = sample(srv.export_dir, "masked")
     assert t["loss_mask"].tolist() == [int(m) for m in mask]
     from sglang_hs.format import sample_metadata
 
-    path = os.path.join(srv.out, r.json()["meta_info"]["hidden_states_export"]["path"])
+    path = os.path.join(srv.export_dir, r.json()["meta_info"]["hidden_states_export"]["path"])
     assert '"source": "unit"' in sample_metadata(path)["metadata"]
     r = export(srv, "bad-mask", ids, sp={"custom_params": {"sglang_hs": {"loss_mask": [1, 0]}}})
     assert r.status_code == 400 and "one 0/1 per prompt token" in r.text
     r = export(srv, "bad-mask-2", ids, sp={"custom_params": {"sglang_hs": {"loss_mask": [2] * 90}}})
     assert r.status_code == 400
-    assert not {"bad-mask", "bad-mask-2"} & {e["id"] for e in read_manifest(srv.out)}
+    assert not {"bad-mask", "bad-mask-2"} & {e["id"] for e in read_manifest(srv.export_dir)}
 
 
 HOSTILE = ["../escape", "/etc/passwd", "a/b", ".hidden", "x" * 300, "a\nb", "sp ace", "..", "s.tmp"]
@@ -135,12 +130,12 @@ HOSTILE = ["../escape", "/etc/passwd", "a/b", ".hidden", "x" * 300, "a\nb", "sp 
 
 def test_hostile_rids_are_rejected_and_the_server_goes_on(tiny_server, tmp_path):
     srv = tiny_server
-    before = set(os.listdir(os.path.dirname(srv.out)))
+    before = set(os.listdir(os.path.dirname(srv.export_dir)))
     for rid in HOSTILE:
         r = export(srv, rid, [5, 6, 7])
         assert r.status_code == 400 and "cannot name an exported sample" in r.text, (rid, r.text)
-    assert set(os.listdir(os.path.dirname(srv.out))) == before
-    assert not any(rid in {e["id"] for e in read_manifest(srv.out)} for rid in HOSTILE)
+    assert set(os.listdir(os.path.dirname(srv.export_dir))) == before
+    assert not any(rid in {e["id"] for e in read_manifest(srv.export_dir)} for rid in HOSTILE)
     r = export(srv, "after-hostile", [5, 6, 7])
     assert r.status_code == 200
 
@@ -150,7 +145,7 @@ def test_an_exported_rid_is_never_overwritten(tiny_server):
     assert export(srv, "dup", [5, 6, 7]).status_code == 200
     r = export(srv, "dup", [8, 9])
     assert r.status_code == 409 and "already exported" in r.text
-    assert sample(srv.out, "dup")["token_ids"].tolist() == [5, 6, 7]
+    assert sample(srv.export_dir, "dup")["token_ids"].tolist() == [5, 6, 7]
 
 
 def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
@@ -168,8 +163,8 @@ def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
         fin = res["r"].json()["meta_info"]["finish_reason"] if res["r"].status_code == 200 else {"type": "abort"}
         if fin.get("type") == "abort":
             aborted.append(rid)
-            assert rid not in {e["id"] for e in read_manifest(srv.out)}
-            assert not any(rid in f for _, _, fs in os.walk(srv.out) for f in fs)
+            assert rid not in {e["id"] for e in read_manifest(srv.export_dir)}
+            assert not any(rid in f for _, _, fs in os.walk(srv.export_dir) for f in fs)
     assert aborted, "no request was aborted mid-prefill; the test did not exercise anything"
     # Nothing leaked: the server serves and exports the next request normally.
     r = export(srv, "after-abort", prompts(20, [300])[0])
@@ -179,7 +174,7 @@ def test_aborted_request_writes_nothing_and_leaks_nothing(tiny_server):
     ids = prompts(21, [100])[0]
     r = export(srv, aborted[0], ids)
     assert r.status_code == 200 and r.json()["meta_info"]["hidden_states_export"]["num_tokens"] == 100, r.text
-    assert sample(srv.out, aborted[0])["token_ids"].tolist() == ids
+    assert sample(srv.export_dir, aborted[0])["token_ids"].tolist() == ids
     log = srv.log_tail(2000)
     assert "Traceback" not in log
 
@@ -188,25 +183,25 @@ def test_a_batch_sharing_one_opted_out_sampling_params_is_answered_at_once(tiny_
     """Every prompt of the batch is opted out; none is waited for (it used to wait the full
     write timeout for all but the first)."""
     srv = tiny_server
-    before = {e["id"] for e in read_manifest(srv.out)}
+    before = {e["id"] for e in read_manifest(srv.export_dir)}
     r = requests.post(srv.url + "/generate", timeout=60, json={
         "input_ids": prompts(30, [5, 7, 9]), "sampling_params": {
             "max_new_tokens": 1, "custom_params": {"sglang_hs": {"export": False}}}})
     assert r.status_code == 200 and len(r.json()) == 3, r.text
-    assert {e["id"] for e in read_manifest(srv.out)} == before
+    assert {e["id"] for e in read_manifest(srv.export_dir)} == before
 
 
 def test_health_checks_are_answered_and_never_exported(tiny_server):
     srv = tiny_server
-    before = [e["id"] for e in read_manifest(srv.out)]
+    before = [e["id"] for e in read_manifest(srv.export_dir)]
     r = requests.get(srv.url + "/health_generate", timeout=60)
     assert r.status_code == 200, r.text
     time.sleep(1)
-    assert [e["id"] for e in read_manifest(srv.out)] == before
+    assert [e["id"] for e in read_manifest(srv.export_dir)] == before
 
 
 def test_the_whole_directory_validates(tiny_server):
-    rep = validate_export(tiny_server.out)
+    rep = validate_export(tiny_server.export_dir)
     assert rep.ok, rep.errors
     assert rep.samples >= 45  # every test above adds samples
 
@@ -222,8 +217,7 @@ def full_disk_server(tiny_path, tmp_path_factory):
     args = ["--model-path", tiny_path, "--export-hidden-states-dir", out, "--chunked-prefill-size", "24",
             "--skip-server-warmup"]
     try:
-        with Server(args, log) as srv:
-            srv.out = out
+        with LocalServer(args, log) as srv:
             yield srv
     finally:
         subprocess.run(["umount", "-l", mnt])
@@ -233,7 +227,7 @@ def test_second_chunk_size_matches_hf(full_disk_server):
     srv = full_disk_server
     for i, ids in enumerate(prompts(30, [23, 24, 25, 250])):  # up to 11 chunks of 24
         assert export(srv, f"c24-{i}", ids).status_code == 200
-    assert_exact_vs_hf(srv.out)
+    assert_exact_vs_hf(srv.export_dir)
 
 
 def test_full_disk_fails_that_request_and_the_server_keeps_serving(full_disk_server):
@@ -245,13 +239,13 @@ def test_full_disk_fails_that_request_and_the_server_keeps_serving(full_disk_ser
     assert failed, "the disk never filled"
     assert failed[0].status_code == 507 and "No space left" in failed[0].text
     ok_ids = {f"big-{i}" for i, r in enumerate(codes) if r.status_code == 200}
-    assert {e["id"] for e in read_manifest(srv.out)} >= ok_ids
+    assert {e["id"] for e in read_manifest(srv.export_dir)} >= ok_ids
     # No partial or temporary files of the failed samples.
-    assert not any(f.endswith(".tmp") for _, _, fs in os.walk(srv.out) for f in fs)
+    assert not any(f.endswith(".tmp") for _, _, fs in os.walk(srv.export_dir) for f in fs)
     # Free space; the same server exports again.
-    for e in read_manifest(srv.out):
+    for e in read_manifest(srv.export_dir):
         if e["id"].startswith("big-"):
-            os.remove(os.path.join(srv.out, e["path"]))
+            os.remove(os.path.join(srv.export_dir, e["path"]))
     r = export(srv, "after-full", [5, 6, 7])
     assert r.status_code == 200, r.text
 
@@ -260,12 +254,12 @@ def test_smollm2_bf16_rows_match_hf(smollm2_path, tmp_path):
     """The embedded default model, in its own dtype (bf16), with its chat template."""
     from transformers import AutoTokenizer
 
-    from sglang_hs.demo import demo_conversations
+    from sglang_hs.tools.demo import demo_conversations
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     convs = demo_conversations()[:8]
     out = str(tmp_path / "smol")
-    with Server(["--model-path", smollm2_path, "--export-hidden-states-dir", out, "--skip-server-warmup",
+    with LocalServer(["--model-path", smollm2_path, "--export-hidden-states-dir", out, "--skip-server-warmup",
                  "--chunked-prefill-size", "32"], str(tmp_path / "server.log")) as srv:
         for i, c in enumerate(convs):
             ids = list(tok.apply_chat_template(c["messages"], tokenize=True, add_generation_prompt=True,

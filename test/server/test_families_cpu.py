@@ -2,20 +2,20 @@
 CPU exports aux layers at non-default HF ids, the lowest (1) and the highest (L-1) included,
 and `verify` finds them equal to Hugging Face's `output_hidden_states` at those ids. Families
 that capture through per-layer flags (Qwen2/Qwen3-MoE) exported the wrong layers before
-sglang_hs.aux_layers; Kimi-K2.5's wrapper class could not start."""
+sglang_hs.overlay.aux_layers; Kimi-K2.5's wrapper class could not start."""
 
 import concurrent.futures as cf
 import json
 import os
-import random
 
 import pytest
 
-from sglang_hs import models
-from sglang_hs.aux_layers import TESTED
+from harness import models
+from harness.fixtures import prompts
+from sglang_hs.overlay.aux_layers import TESTED
 from sglang_hs.format import validate_export
-from sglang_hs.server import Server
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import verify_export
 
 pytestmark = pytest.mark.server
 
@@ -57,10 +57,9 @@ def test_family_exports_hf_layers_at_the_lowest_and_highest_ids(family, smollm2_
             "--chunked-prefill-size", "64", "--skip-server-warmup"]
     if family == "kimi_k25":
         args.append("--trust-remote-code")  # its processor is remote code, as in the released checkpoint
-    rng = random.Random(family)
-    ids = {f"{family}-{i}": [rng.randrange(3, 49152) for _ in range(n)] for i, n in enumerate([1, 64, 65, 300])}
+    ids = {f"{family}-{i}": p for i, p in enumerate(prompts(family, [1, 64, 65, 300]))}
     ids[f"{family}-shared"] = ids[f"{family}-3"][:130] + [11, 12]  # a cached prefix it must recompute
-    with Server(args, str(tmp_path / "server.log")) as srv:
+    with LocalServer(args, str(tmp_path / "server.log")) as srv:
         def send(rid):
             return rid, srv.generate({"rid": rid, "input_ids": ids[rid], "sampling_params": {"max_new_tokens": 2}})
 
@@ -85,7 +84,7 @@ def test_a_refused_family_stops_at_start_up_and_says_why(smollm2_path, tmp_path)
     args = ["--model-path", path, "--export-hidden-states-dir", out, "--export-aux-layer-ids", *map(str, AUX),
             "--skip-server-warmup"]
     with pytest.raises(RuntimeError) as e:
-        with Server(args, str(tmp_path / "server.log")):
+        with LocalServer(args, str(tmp_path / "server.log")):
             pass
     assert "Gemma3ForCausalLM: hidden-state export is refused" in str(e.value)
     assert not os.path.exists(os.path.join(out, "export.json"))

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sglang_hs.cpu import cpu_env
+from sglang_hs.tools.serve import cpu_env
 
 pytestmark = pytest.mark.server
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -11,8 +11,8 @@ from importlib import resources
 import pytest
 
 from sglang_hs.format import read_manifest, validate_export
-from sglang_hs.server import free_port
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import free_port
+from sglang_hs.tools.verify import verify_export
 
 pytestmark = pytest.mark.server
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

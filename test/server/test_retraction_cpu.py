@@ -8,8 +8,8 @@ import random
 import pytest
 
 from sglang_hs.format import validate_export
-from sglang_hs.server import Server
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import verify_export
 
 pytestmark = pytest.mark.server
 
@@ -20,8 +20,7 @@ def tight_server(tiny_path, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("logs") / "server.log")
     args = ["--model-path", tiny_path, "--export-hidden-states-dir", out, "--max-total-tokens", "1200",
             "--chunked-prefill-size", "128", "--schedule-conservativeness", "0.01", "--skip-server-warmup"]
-    with Server(args, log) as srv:
-        srv.out = out
+    with LocalServer(args, log) as srv:
         yield srv
 
 
@@ -47,8 +46,8 @@ def test_retracted_requests_are_exported_once_and_exact(tight_server):
         if retracted:
             break
     assert retracted, "no request was retracted; the test did not exercise retraction"
-    rep = validate_export(srv.out, expected_tokens=prompts)
+    rep = validate_export(srv.export_dir, expected_tokens=prompts)
     assert rep.ok and rep.samples == len(prompts), rep.errors
-    v = verify_export(srv.out, samples=None)
+    v = verify_export(srv.export_dir, samples=None)
     print(f"retracted: {retracted}\n{v.table()}")
     assert v.ok, v.table()

@@ -16,18 +16,19 @@ import pytest
 import requests
 import torch
 
+from harness.fixtures import prompts
 from sglang_hs.format import load_sample, read_manifest, validate_export
-from sglang_hs.runtime import STATS_INTERVAL_ENV
-from sglang_hs.server import Server
-from sglang_hs.verify import hf_planes, load_hf, verify_export
+from sglang_hs.overlay.runtime import STATS_INTERVAL_ENV
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import hf_planes, load_hf, verify_export
 
 pytestmark = pytest.mark.server
 AUX = [1, 3, 7]
 
 
 def prompt_set():
-    rng = random.Random(5)
-    ids = {f"tp-{i}": [rng.randrange(3, 49152) for _ in range(n)] for i, n in enumerate([1, 63, 64, 65, 200, 700])}
+    lengths = [1, 63, 64, 65, 200, 700]
+    ids = {f"tp-{i}": p for i, p in enumerate(prompts(5, lengths))}
     ids["tp-shared"] = ids["tp-5"][:300] + [21, 22, 23]
     return ids
 
@@ -48,9 +49,8 @@ def serve(path, tmp_path_factory, tp):
     log = str(tmp_path_factory.mktemp("logs") / f"tp{tp}.log")
     args = ["--model-path", path, "--export-hidden-states-dir", out, "--export-aux-layer-ids", *map(str, AUX),
             "--chunked-prefill-size", "64", "--skip-server-warmup", "--tp-size", str(tp), "--log-level", "info"]
-    srv = Server(args, log)
+    srv = LocalServer(args, log)
     srv.env[STATS_INTERVAL_ENV] = "0"  # a stats line per forward on every rank
-    srv.out = out
     return srv
 
 
@@ -58,7 +58,7 @@ def serve(path, tmp_path_factory, tp):
 def tp1_out(tiny_path, tmp_path_factory):
     with serve(tiny_path, tmp_path_factory, 1) as srv:
         run(srv, prompt_set())
-    return srv.out
+    return srv.export_dir
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def planes(t):
 
 
 def test_tp2_samples_equal_tp1_and_match_hf(tp1_out, tp2, tiny_path):
-    a, b = samples(tp1_out), samples(tp2.out)
+    a, b = samples(tp1_out), samples(tp2.export_dir)
     assert sorted(a) == sorted(b) == sorted(prompt_set())
     # "Within bf16 tolerance": the all-reduce sums the two halves in another order, so TP2
     # may differ from TP1 by rounding, measured against the rounding of HF's own bf16 forward
@@ -94,8 +94,8 @@ def test_tp2_samples_equal_tp1_and_match_hf(tp1_out, tp2, tiny_path):
         cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
         assert float(cos.min()) > 0.999, f"{rid}: a TP2 row points elsewhere than TP1's (cosine {float(cos.min())})"
     assert diff ** 0.5 <= 2 * hf_err ** 0.5, f"TP2 - TP1 {diff ** 0.5:.3e} vs HF bf16 - fp32 {hf_err ** 0.5:.3e}"
-    assert json.load(open(os.path.join(tp2.out, "export.json")))["tp_size"] == 2
-    for out in (tp1_out, tp2.out):  # Llama at the lowest and highest ids, on one rank and on two
+    assert json.load(open(os.path.join(tp2.export_dir, "export.json")))["tp_size"] == 2
+    for out in (tp1_out, tp2.export_dir):  # Llama at the lowest and highest ids, on one rank and on two
         rep = validate_export(out, expected_tokens=prompt_set())
         assert rep.ok, rep.errors
         v = verify_export(out, samples=None)
@@ -118,7 +118,7 @@ def test_an_abort_mid_prefill_writes_nothing_and_both_ranks_go_on(tp2):
         r = res["r"]
         if r.status_code != 200 or r.json()["meta_info"]["finish_reason"].get("type") == "abort":
             aborted.append(rid)
-            assert rid not in {e["id"] for e in read_manifest(srv.out)}
+            assert rid not in {e["id"] for e in read_manifest(srv.export_dir)}
     assert aborted, "no request was aborted mid-prefill; the test did not exercise anything"
     r = srv.generate({"rid": "tp-after-abort", "input_ids": list(range(5, 205)), "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 200, r.text
@@ -144,7 +144,7 @@ def test_exactly_one_rank_copies_and_writes(tp2):
     writer_lines = re.findall(r" (TP\d)\] sglang-hs: aux capture on LlamaForCausalLM .* writer rank: (True|False)", log)
     assert sorted(writer_lines) == [("TP0", "True"), ("TP1", "False")]
     assert stats["TP1"]["copies"] == 0 and "writer" not in stats["TP1"]
-    assert stats["TP0"]["copies"] > 0 and stats["TP0"]["writer"]["samples"] == len(read_manifest(tp2.out))
+    assert stats["TP0"]["copies"] > 0 and stats["TP0"]["writer"]["samples"] == len(read_manifest(tp2.export_dir))
 
 
 def test_every_rank_plans_the_same_prefix_caps(tp2):

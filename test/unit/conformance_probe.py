@@ -14,7 +14,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 
 load_plugins()  # discovers sglang_hs through its entry point, like every SGLang process
 
-from sglang_hs import seams  # noqa: E402
+from sglang_hs.overlay import seams  # noqa: E402
 
 out = {"seams": {}, "facts": {}}
 for s in seams.SEAMS:
@@ -57,6 +57,23 @@ f["generate_req_fields"] = [x.name for x in dataclasses.fields(GenerateReqInput)
 # Our request options ride in SamplingParams.custom_params: it must accept and keep a dict.
 f["custom_params_round_trip"] = SamplingParams(custom_params={"sglang_hs": {"export": False}}).custom_params
 f["health_prefix"] = constants.HEALTH_CHECK_RID_PREFIX
+
+
+def normalised(**kw):
+    """What admission reads after SGLang's own normalisation of a /generate call."""
+    g = GenerateReqInput(**kw)
+    g.normalize_batch_and_arguments()
+    return {"is_single": g.is_single, "rid": g.rid if g.is_single else list(g.rid), "n": g.parallel_sample_num,
+            "params": [id(p) for p in g.sampling_params] if isinstance(g.sampling_params, list) else "dict",
+            "input_embeds": g.input_embeds}
+
+
+f["normalised"] = {
+    "single": normalised(input_ids=[1, 2], rid="a"),
+    "batch_shared_params": normalised(input_ids=[[1, 2], [3, 4]], sampling_params={"max_new_tokens": 1}),
+    "batch_one_rid": normalised(text=["x", "y"], rid="r"),
+    "n2": normalised(input_ids=[1, 2], sampling_params={"n": 2}),
+}
 f["llama_default"] = eagle3_ids(LlamaForCausalLM, None)
 f["llama_explicit_1_14_26"] = eagle3_ids(LlamaForCausalLM, [1, 14, 26])
 f["deepseek_explicit_1_14_26"] = eagle3_ids(DeepseekV2ForCausalLM, [1, 14, 26])
@@ -66,9 +83,9 @@ from sglang.srt.models.deepseek_common.attention_backend_handler import Attentio
 f["mla_routing"] = {b: AttentionBackendRegistry.get_handler(b)(None, None).name if b == "torch_native"
                     else AttentionBackendRegistry.get_handler(b).__module__ for b in ("torch_native", "triton")}
 
-# What each family's decoder-stack loop reads (sglang_hs.aux_layers.loop_reads), for the
+# What each family's decoder-stack loop reads (sglang_hs.overlay.aux_layers.loop_reads), for the
 # stacks of the families the README lists as tested.
-from sglang_hs.aux_layers import loop_reads  # noqa: E402
+from sglang_hs.overlay.aux_layers import loop_reads  # noqa: E402
 
 STACKS = {
     "llama.LlamaModel", "qwen2.Qwen2Model", "qwen3.Qwen3Model", "qwen2_moe.Qwen2MoeModel",

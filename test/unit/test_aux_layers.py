@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hs.aux_layers import AuxLayersError, find_stack, loop_reads, set_aux_layers
+from sglang_hs.overlay.aux_layers import AuxLayersError, find_stack, loop_reads, set_aux_layers
 
 L = 12
 

@@ -1,144 +1,82 @@
+import json
+
 import pytest
-import torch
 
-from sglang_hs.capture import (
-    Piece,
-    ReqExport,
-    RequestOptions,
-    RequestOptionsError,
-    build_sample,
-    gather_rows,
-    parse_request_options,
-    plan_forward,
-    split_rows,
-)
-
-H, K = 4, 2
+from sglang_hs.tools.capture import _Router, load_done
 
 
-def state(rid, n):
-    return ReqExport(rid=rid, prompt_ids=list(range(100, 100 + n)), options=RequestOptions())
+def test_router_sends_to_the_least_loaded_server():
+    r = _Router(["http://a/", "http://b"])
+    first, second = r.acquire(), r.acquire()
+    assert {first, second} == {"http://a", "http://b"}
+    r.release(first)
+    assert r.acquire() == first  # the one with nothing outstanding
+    assert r.load == {"http://a": 1, "http://b": 1}
 
 
-def forward_rows(positions_per_req):
-    """Rows of a fake forward: row value encodes (request, prompt position, plane)."""
-    rows = []
-    for r, positions in enumerate(positions_per_req):
-        for p in positions:
-            rows.append(torch.tensor([[r * 1000 + p + 0.1 * k] * H for k in range(K + 1)]))
-    return torch.stack(rows) if rows else torch.zeros(0, K + 1, H)
+def test_journal_survives_a_torn_last_line(tmp_path):
+    (tmp_path / "capture.jsonl").write_text(json.dumps({"id": "a", "path": "p"}) + "\n" + '{"id": "b", "pa')
+    assert set(load_done(str(tmp_path))) == {"a"}  # b is simply sent again (409 if it was durable)
 
 
-def run(states, prefix, extend, piece_rows=3):
-    """One forward: plan, make rows for every extend token, stage the planned ones in pieces
-    of `piece_rows` rows (as slabs would), and hand them to the requests."""
-    rows, segs, failed = plan_forward(states, prefix, extend)
-    positions = [list(range(p, p + e)) for p, e in zip(prefix, extend)]
-    all_rows = forward_rows(positions)
-    host = all_rows[torch.tensor(rows, dtype=torch.long)] if rows else all_rows
-    staged = [Piece(host[a:a + piece_rows, :K].contiguous(), host[a:a + piece_rows, K].contiguous())
-              for a in range(0, host.shape[0], piece_rows)]
-    done = split_rows(staged, segs) if segs else []
-    return done, failed
+def test_capture_retries_in_flight_ids_and_records_odd_answers_without_stopping(tmp_path):
+    """Against a scripted HTTP server: 423 (the id is still in flight on the server) is retried,
+    409 counts as exported, and a 200 without export info or a 400 fails that sample only."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sglang_hs.tools.capture import FAILED, JOURNAL, CaptureConfig, _capture
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1, 2, 3 + i]}) + "\n" for i in range(4)))
+    seen = {}
+
+    async def generate(request):
+        body = await request.json()
+        n = seen[body["input_ids"][2]] = seen.get(body["input_ids"][2], 0) + 1
+        kind = body["input_ids"][2] - 3
+        info = {"dir": "d", "path": f"p/{body['rid']}", "num_tokens": 3, "bytes": 10}
+        if kind == 0 and n == 1:
+            return web.json_response({"error": {"message": "in flight"}}, status=423)
+        if kind == 0:
+            return web.json_response({"meta_info": {"hidden_states_export": info}})
+        if kind == 1:
+            return web.json_response({"error": {"message": "already exported"}}, status=409)
+        if kind == 2:
+            return web.json_response({"meta_info": {"id": body["rid"]}})
+        return web.json_response({"error": {"message": "bad loss_mask"}}, status=400)
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            cfg = CaptureConfig(servers=[f"http://127.0.0.1:{port}"], data=str(data), out=str(tmp_path / "out"),
+                                progress=False, retries=3)
+            return await _capture(cfg, tok=None)
+        finally:
+            await runner.cleanup()
+
+    s = asyncio.run(main())
+    assert (s.exported, s.already_exported, s.failed, s.total) == (1, 1, 2, 4)
+    assert seen[3] == 2, "423 must be retried"
+    assert len(load_done(str(tmp_path / "out"))) == 2
+    failed = [json.loads(x) for x in (tmp_path / "out" / FAILED).read_text().splitlines()]
+    assert any("hidden_states_export" in f["error"] for f in failed)
+    assert any("HTTP 400" in f["error"] for f in failed)
+    assert (tmp_path / "out" / JOURNAL).exists()
 
 
-def positions_of(st, r):
-    rows = torch.cat([c.aux for c in st.chunks])
-    finals = torch.cat([c.final for c in st.chunks])
-    assert torch.allclose(finals[:, 0] - rows[:, 0, 0], torch.full((rows.shape[0],), 0.1 * K), atol=1e-2)
-    return (rows[:, 0, 0] - r * 1000).round().long().tolist()
+def test_an_id_prefix_the_server_would_refuse_stops_the_run_before_it_starts(tmp_path):
+    from sglang_hs.tools.capture import CaptureConfig, capture
+    from sglang_hs.format import SampleIdError
 
-
-def test_batch_of_requests_rows_go_to_their_request():
-    a, b = state("a", 3), state("b", 5)
-    done, _ = run([a, None, b], [0, 7, 0], [3, 2, 5])  # a request that is not exported sits between
-    assert [s.rid for s in done] == ["a", "b"]
-    assert positions_of(a, 0) == [0, 1, 2]
-    assert positions_of(b, 2) == [0, 1, 2, 3, 4]
-
-
-def test_chunked_prefill_stitches_in_order():
-    a = state("a", 10)
-    assert run([a], [0], [4])[0] == []
-    assert a.next_pos == 4
-    assert run([a], [4], [4])[0] == []
-    done, _ = run([a], [8], [2])
-    assert done == [a] and positions_of(a, 0) == list(range(10))
-
-
-def test_decode_and_output_tokens_are_not_exported():
-    a = state("a", 3)
-    run([a], [0], [3])
-    a.done = True  # handed to the writer
-    rows, segs, _ = plan_forward([a], [3], [1])  # mixed-chunk decode row
-    assert rows == [] and segs == []
-
-
-def test_retracted_request_prefilled_again_adds_no_rows():
-    a = state("a", 6)
-    done, _ = run([a], [0], [6])
-    assert done == [a]
-    a.done = True
-    # After retraction SGLang prefills prompt + output again from position 0.
-    rows, segs, _ = plan_forward([a], [0], [8])
-    assert rows == [] and segs == []
-
-
-def test_restart_mid_prompt_replaces_overlap_instead_of_duplicating():
-    a = state("a", 8)
-    run([a], [0], [5])
-    done, _ = run([a], [3], [5])  # recompute from position 3 (prefix shorter than held rows)
-    assert done == [a] and positions_of(a, 0) == list(range(8))
-
-
-def test_prefix_beyond_exported_rows_fails_instead_of_leaving_a_hole():
-    a = state("a", 8)
-    run([a], [0], [2])
-    _, failed = run([a], [5], [3])
-    assert failed == [a] and a.done and "never computed" in a.error
-
-
-def test_prefix_cap_forces_full_recompute_then_own_chunks():
-    a = state("a", 10)
-    assert a.prefix_cap(9) == 0  # nothing exported yet: recompute everything
-    run([a], [0], [4])
-    assert a.prefix_cap(9) == 4  # its own first chunk, never someone else's longer prefix
-    run([a], [4], [6])
-    a.done = True
-    assert a.prefix_cap(9) == 9  # finished: the cache is free to use again
-
-
-def test_gather_rows_list_and_packed_aux_agree():
-    n = 6
-    final = torch.randn(n, H)
-    aux = [torch.randn(n, H) for _ in range(K)]
-    idx = torch.tensor([4, 1, 2])
-    a_aux, a_fin = gather_rows(final, aux, idx, K)
-    b_aux, b_fin = gather_rows(final, torch.cat(aux, dim=-1), idx, K)
-    assert a_aux.shape == (3, K, H) and a_aux.is_contiguous() and a_fin.is_contiguous()
-    assert torch.equal(a_aux, b_aux) and torch.equal(a_fin, b_fin)
-    assert torch.equal(a_fin, final[idx]) and torch.equal(a_aux[:, 0], aux[0][idx])
-
-
-def test_build_sample_shapes_and_loss_mask():
-    a = ReqExport(rid="a", prompt_ids=[5, 6, 7], options=RequestOptions(loss_mask=[0, 1, 1]))
-    run([a], [0], [3])
-    t = build_sample(a)
-    assert t["token_ids"].tolist() == [5, 6, 7]
-    assert torch.cat(t["aux_hidden_states"]).shape == (3, K, H)
-    assert torch.cat(t["final_hidden_states"]).shape == (3, H)
-    assert t["loss_mask"].dtype == torch.uint8 and t["loss_mask"].tolist() == [0, 1, 1]
-    a.options.loss_mask = [1]
-    with pytest.raises(RequestOptionsError, match="one 0/1 per prompt token"):
-        build_sample(a)
-
-
-def test_request_options():
-    assert parse_request_options(None).export
-    o = parse_request_options({"sglang_hs": {"loss_mask": [0, 1], "metadata": {"src": "x"}}})
-    assert o.loss_mask == [0, 1] and o.metadata == {"src": "x"}
-    assert not parse_request_options({"sglang_hs": {"export": False}}).export
-    for bad in ({"loss_mask": [0, 2]}, {"loss_mask": "11"}, {"metadata": [1]}, {"nope": 1},
-                {"metadata": {"x": "y" * 20000}}, {"export": "false"}, {"export": 0}, {"export": None}):
-        with pytest.raises(RequestOptionsError):
-            parse_request_options({"sglang_hs": bad})
+    cfg = CaptureConfig(servers=["http://127.0.0.1:9"], data=str(tmp_path / "none.jsonl"), out=str(tmp_path),
+                        id_prefix="_run")
+    with pytest.raises(SampleIdError, match="--id-prefix '_run'"):
+        capture(cfg)

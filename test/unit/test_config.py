@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from sglang_hs.config import (
+from sglang_hs.overlay.config import (
     ExportConfigError,
     check_aux_layer_ids,
     check_out_dir,

@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+from harness.fixtures import write_test_export_json
 from sglang_hs.format import (
     DuplicateSampleError,
     SampleIdError,
@@ -13,7 +14,6 @@ from sglang_hs.format import (
     open_manifest,
     read_manifest,
     validate_export,
-    write_export_json,
     write_sample_file,
 )
 
@@ -22,9 +22,7 @@ H, K = 8, 3
 
 def export_dir(tmp_path, n=2, t=5, **overrides):
     d = str(tmp_path)
-    info = {"format": "sglang-hs/1", "model_path": "m", "architecture": "LlamaForCausalLM", "hidden_size": H,
-            "num_layers": 10, "dtype": "bfloat16", "aux_layer_ids": [2, 5, 7], "final_is_post_norm": True}
-    write_export_json(d, info)
+    write_test_export_json(d, H)
     fd = open_manifest(d)
     os.makedirs(os.path.join(d, "dp0-00000"))
     for i in range(n):

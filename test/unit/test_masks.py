@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from sglang_hs.masks import chat_ids_and_mask, truncate
+from sglang_hs.tools.masks import chat_ids_and_mask, truncate
 
 NL = "\\n"
 # Our own renditions of each family's chat markup (the real templates have more options).

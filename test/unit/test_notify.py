@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from sglang_hs.notify import ExportWaiter, Notifier, SampleInFlightError
+from sglang_hs.overlay.notify import ExportWaiter, Notifier
+from sglang_hs.protocol import Outcome, SampleInFlightError
 
 
-def ok(rid, token):
-    return {"rid": rid, "token": token, "ok": True, "path": f"dp0-00000/{rid}.safetensors",
-            "num_tokens": 3, "bytes": 100}
+def ok(rid, call_id):
+    return Outcome(rid, call_id, ok=True, path=f"dp0-00000/{rid}.safetensors", num_tokens=3, bytes=100)
 
 
 def run(coro):
@@ -37,7 +37,7 @@ def test_late_outcome_of_an_aborted_request_is_not_taken_by_the_next_with_that_r
         w.admit(["s1"])
         waiting = asyncio.ensure_future(w.wait("s1", "t2"))
         # ... then the first call's abort arrives, and only then the second's success.
-        push({"rid": "s1", "token": "t1", "ok": False, "aborted": True})
+        push(Outcome("s1", "t1", aborted=True))
         await asyncio.sleep(0.2)
         assert not waiting.done(), "took the earlier request's outcome"
         push(ok("s1", "t2"))
@@ -46,8 +46,7 @@ def test_late_outcome_of_an_aborted_request_is_not_taken_by_the_next_with_that_r
         return w, got
 
     w, got = run(main())
-    assert got["ok"] and got["token"] == "t2"
-    assert ExportWaiter.meta_info(got, "/d")["path"] == "dp0-00000/s1.safetensors"
+    assert got.ok and got.call_id == "t2"
     assert "s1" in w.exported and not w.in_flight
     assert not w._results and not w._abandoned, "dropped outcomes must not be kept"
 
@@ -59,7 +58,7 @@ def test_an_outcome_that_arrives_before_its_waiter_is_kept(addr, tmp_path):
         await asyncio.sleep(0.2)
         return await asyncio.wait_for(w.wait("s2", "t"), 5)
 
-    assert run(main())["ok"]
+    assert run(main()).ok
 
 
 def test_a_rid_in_flight_is_refused_with_a_retryable_status_until_released(addr, tmp_path):
@@ -95,11 +94,10 @@ def test_a_message_that_cannot_be_delivered_does_not_stop_the_receiver(addr, tmp
     async def main():
         w = ExportWaiter(addr, str(tmp_path), timeout_s=5)
         push = Notifier(addr)
-        push({"no": "rid"})  # a KeyError in delivery
-        push(["not", "a", "dict"])
-        push._sock.send(b"\xff not json")
+        for raw in (b'{"no": "rid"}', b'["not", "a", "dict"]', b"\xff not json", b'{"rid": "x", "call_id": null, "ok": 1, "extra": 2}'):
+            push._sock.send(raw)
         w.admit(["s2"])
         push(ok("s2", "t"))
         return await w.wait("s2", "t")
 
-    assert run(main())["ok"]
+    assert run(main()).ok

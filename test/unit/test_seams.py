@@ -2,14 +2,16 @@
 is the one applied there, and the upstream facts the hooks rely on still hold. A renamed or
 re-signatured upstream function fails here instead of silently exporting nothing."""
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from sglang_hs.cpu import cpu_env
+from sglang_hs.tools.serve import cpu_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -32,6 +34,7 @@ EXPECTED_PARAMS = {
     "sglang.srt.layers.logits_processor.LogitsProcessor.forward":
         ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"],
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ["self", "obj", "request"],
+    "sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments": ["self"],
     "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler":
         ["cls", "backend_name"],
     "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add":
@@ -42,12 +45,59 @@ EXPECTED_PARAMS = {
 
 
 def test_every_seam_is_listed_here_and_in_fork_notes():
-    from sglang_hs.seams import seam_targets
+    """FORK_NOTES' seam table is the ledger: one row per registered seam, in registration
+    order, naming its function, target and hook type."""
+    from sglang_hs.overlay.seams import SEAMS
 
-    assert sorted(seam_targets()) == sorted(EXPECTED_PARAMS)
+    assert sorted(s.target for s in SEAMS) == sorted(EXPECTED_PARAMS)
     notes = open(os.path.join(HERE, "..", "..", "FORK_NOTES.md")).read()
-    for t in seam_targets():
-        assert t in notes, f"{t} is not documented in FORK_NOTES.md"
+    rows = re.findall(r"^\| `(\w+)` \| `([\w.]+)` \| (\w+) \| .+ \| .+ \|$", notes, re.M)
+    assert rows == [(s.fn.__name__, s.target, s.hook_type.name) for s in SEAMS]
+
+
+def test_only_seams_imports_sglang_internals():
+    """The overlay's logic and the tools take plain values; only the hook module touches
+    sglang.srt, so everything else is unit-tested without SGLang's processes."""
+    pkg = os.path.join(HERE, "..", "..", "python", "sglang_hs")
+    offenders = []
+    for root, _, files in os.walk(pkg):
+        for name in files:
+            path = os.path.join(root, name)
+            if not name.endswith(".py") or os.path.relpath(path, pkg) == os.path.join("overlay", "seams.py"):
+                continue
+            for node in ast.walk(ast.parse(open(path).read())):
+                mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offenders += [f"{os.path.relpath(path, pkg)}: {m}" for m in mods if m.startswith("sglang.srt")]
+    assert not offenders
+
+
+def test_the_wheel_holds_the_two_sides_and_not_the_dev_harness():
+    pkg = os.path.join(HERE, "..", "..", "python", "sglang_hs")
+    assert sorted(n for n in os.listdir(pkg) if not n.startswith("__")) == [
+        "data", "format.py", "overlay", "protocol.py", "tools"]
+    import harness
+
+    assert "python" not in harness.__file__.split(os.sep)
+
+
+def test_unit_test_files_mirror_the_modules_they_test():
+    pkg = os.path.join(HERE, "..", "..", "python", "sglang_hs")
+    modules = {os.path.splitext(n)[0] for _, _, files in os.walk(pkg) for n in files if n.endswith(".py")}
+    tests = {n[len("test_"):-len(".py")] for n in os.listdir(HERE) if n.startswith("test_") and n.endswith(".py")}
+    assert tests <= modules, f"unit tests named after no module: {sorted(tests - modules)}"
+
+
+def test_admission_reads_sglang_normalised_requests(probe):
+    """What seams.admit_generate_request hands to admission.admit: after normalisation every
+    rid is filled in and sampling params are one dict per entry (a shared dict repeated)."""
+    n = probe["normalised"]
+    assert n["single"] == {"is_single": True, "rid": "a", "n": 1, "params": "dict", "input_embeds": None}
+    b = n["batch_shared_params"]
+    assert not b["is_single"] and len(b["rid"]) == 2 and all(b["rid"]) and len(set(b["params"])) == 1
+    assert len(b["params"]) == 2
+    assert n["batch_one_rid"]["rid"] == ["r_0", "r_1"]
+    assert not n["n2"]["is_single"] and len(n["n2"]["rid"]) == 1 and len(n["n2"]["params"]) == 2
 
 
 @pytest.mark.parametrize("target", sorted(EXPECTED_PARAMS))
@@ -91,7 +141,7 @@ def test_mla_routing_sends_torch_native_to_mla_and_leaves_other_backends_alone(p
 
 
 def test_loop_reads_of_upstream_stacks(probe):
-    """Which capture state each decoder stack's loop reads (sglang_hs.aux_layers sets our ids
+    """Which capture state each decoder stack's loop reads (sglang_hs.overlay.aux_layers sets our ids
     there): a family switching between the list and the flags fails here."""
     flags, both, lst = ["_is_layer_to_capture"], ["_is_layer_to_capture", "layers_to_capture"], ["layers_to_capture"]
     assert probe["loop_reads"] == {
@@ -114,7 +164,7 @@ def readme_family_table():
 
 
 def test_readme_family_table_lists_every_class_with_an_eagle3_setter(probe):
-    from sglang_hs.aux_layers import DRAFT_SUFFIXES, REFUSED, REFUSED_STACKS, TESTED
+    from sglang_hs.overlay.aux_layers import DRAFT_SUFFIXES, REFUSED, REFUSED_STACKS, TESTED
 
     rows = readme_family_table()
     assert sorted(rows) == sorted(probe["eagle3_classes"])

@@ -4,7 +4,7 @@ that the same weights give when saved plainly."""
 
 import torch
 
-from sglang_hs.verify import hf_planes, load_hf
+from sglang_hs.tools.verify import hf_planes, load_hf
 
 
 def test_a_wrapper_checkpoint_loads_as_its_text_model(tiny_kimi_path, tiny_deepseek_path):

@@ -1,19 +1,21 @@
 import os
-import threading
 import time
 
 import torch
 
-from sglang_hs.capture import Piece, ReqExport, RequestOptions, plan_forward, split_rows
-from sglang_hs.format import read_manifest, validate_export, write_export_json
-from sglang_hs.writer import SampleWriter, SlabPool
+from harness.fixtures import write_test_export_json
+from sglang_hs.format import read_manifest, validate_export
+from sglang_hs.overlay.rows import RequestState, plan_forward, split_rows
+from sglang_hs.overlay.staging import Piece, SlabPool
+from sglang_hs.overlay.writer import SampleWriter
+from sglang_hs.protocol import Outcome, RequestOptions
 
 H, K = 8, 3
 
 
 def complete_state(rid, n, loss_mask=None, pool=None):
     """A request whose n prompt rows arrived in two chunks, staged in slabs of `pool`."""
-    st = ReqExport(rid=rid, prompt_ids=list(range(n)), options=RequestOptions(loss_mask=loss_mask, token=f"t-{rid}"))
+    st = RequestState(rid=rid, prompt_ids=list(range(n)), options=RequestOptions(loss_mask=loss_mask, call_id=f"c-{rid}"))
     for start, end in ((0, n // 2), (n // 2, n)):
         _, segs, _ = plan_forward([st], [start], [end - start])
         if not segs:
@@ -23,7 +25,7 @@ def complete_state(rid, n, loss_mask=None, pool=None):
         piece = Piece(torch.randn(r, K, H).bfloat16(), torch.randn(r, H).bfloat16(), slab)
         split_rows([piece], segs)
         piece.release()  # the forward's own hold
-    st.done = True
+    assert st.planned
     return st
 
 
@@ -33,9 +35,7 @@ def submit(w, st, aborted=lambda: False):
 
 def make_writer(d, budget=None):
     msgs = []
-    write_export_json(d, {"format": "sglang-hs/1", "model_path": "m", "architecture": "X", "hidden_size": H,
-                          "num_layers": 10, "dtype": "bfloat16", "aux_layer_ids": [2, 5, 7],
-                          "final_is_post_norm": True})
+    write_test_export_json(d, H)
     w = SampleWriter(d, "dp0", [2, 5, 7], budget or SlabPool(1 << 30, slab_bytes=1 << 16), msgs.append, threads=2)
     return w, msgs
 
@@ -46,8 +46,8 @@ def test_writes_files_manifest_and_reports(tmp_path):
     for i in range(20):
         submit(w, complete_state(f"r{i}", 3 + i, loss_mask=[1] * (3 + i), pool=w.pool))
     w.close()
-    assert sorted(m["rid"] for m in msgs) == sorted(f"r{i}" for i in range(20))
-    assert all(m["ok"] for m in msgs)
+    assert sorted(m.rid for m in msgs) == sorted(f"r{i}" for i in range(20))
+    assert all(m.ok for m in msgs)
     assert len(read_manifest(d)) == 20
     rep = validate_export(d)
     assert rep.ok, rep.errors
@@ -63,7 +63,7 @@ def test_duplicate_id_is_refused_not_overwritten(tmp_path):
     w.flush()
     submit(w, complete_state("same", 6), lambda: False)
     w.close()
-    assert [m["ok"] for m in msgs] == [True, False] and msgs[1]["status"] == 409
+    assert [m.ok for m in msgs] == [True, False] and msgs[1].status == 409
     assert [e["num_tokens"] for e in read_manifest(d)] == [4]
 
 
@@ -72,8 +72,8 @@ def test_aborted_before_commit_writes_nothing(tmp_path):
     w, msgs = make_writer(d)
     submit(w, complete_state("gone", 4), lambda: True)
     w.close()
-    # The call's token travels back, so the HTTP side matches it to that call only.
-    assert msgs == [{"rid": "gone", "token": "t-gone", "ok": False, "aborted": True}]
+    # The call's id travels back, so the HTTP side matches it to that call only.
+    assert msgs == [Outcome("gone", "c-gone", aborted=True)]
     assert read_manifest(d) == [] and not any(f.endswith(".safetensors") for _, _, fs in os.walk(d) for f in fs)
 
 
@@ -87,37 +87,13 @@ def test_io_error_fails_that_sample_and_the_writer_goes_on(tmp_path):
     os.remove(tmp_path / "dp0-00000")
     submit(w, complete_state("b", 4), lambda: False)
     w.close()
-    assert not msgs[0]["ok"] and "could not write sample a" in msgs[0]["error"] and msgs[0]["status"] == 500
-    assert msgs[1]["ok"]
+    assert not msgs[0].ok and "could not write sample a" in msgs[0].error and msgs[0].status == 500
+    assert msgs[1].ok
     assert [e["id"] for e in read_manifest(d)] == ["b"]
 
 
-def test_pool_is_bounded_applies_backpressure_and_never_deadlocks():
-    pool = SlabPool(3 << 10, slab_bytes=1 << 10)  # three slabs at most
-    held = [pool.take() for _ in range(3)]
-    pool.enqueue()  # the writer has a sample whose slab it will free
-    freed = threading.Event()
-
-    def writer():
-        time.sleep(0.3)
-        held[0].unref()
-        freed.set()
-        pool.dequeue()
-
-    threading.Thread(target=writer).start()
-    t0 = time.perf_counter()
-    again = pool.take()  # waits for the writer
-    assert freed.is_set() and time.perf_counter() - t0 >= 0.25 and again is held[0]
-    # Only unfinished prompts hold slabs and nothing is queued: waiting would hang, so an
-    # unpooled slab is handed out and the pool itself never grows past its limit.
-    extra = pool.take()
-    assert not extra.pooled and pool.overflow == 1 and pool.pooled == 3
-    extra.unref()
-    assert pool.stats()["host_bytes_allocated"] == 3 << 10
-
-
 def test_shards_hold_at_most_files_per_shard(tmp_path, monkeypatch):
-    import sglang_hs.writer as wmod
+    import sglang_hs.overlay.writer as wmod
 
     monkeypatch.setattr(wmod, "FILES_PER_SHARD", 3)
     d = str(tmp_path)
@@ -143,7 +119,7 @@ class SlowCopy:
 
     def synchronize(self):
         time.sleep(0.05)
-        for c in self.st.chunks:
+        for c in self.st.pieces:
             c.aux.fill_(self.value)  # the copy lands
             c.final.fill_(self.value)
         self.waited = True
@@ -153,13 +129,13 @@ def test_writer_waits_for_the_device_copy_before_reading_rows(tmp_path):
     d = str(tmp_path)
     w, msgs = make_writer(d)
     st = complete_state("gpu", 5)
-    for c in st.chunks:
+    for c in st.pieces:
         c.aux.fill_(float("nan"))  # what the pinned buffer holds before the copy lands
         c.final.fill_(float("nan"))
     ev = SlowCopy(st, 1.5)
     st.ready.append(ev)
     submit(w, st)
     w.close()
-    assert ev.waited and msgs[0]["ok"]
+    assert ev.waited and msgs[0].ok
     rep = validate_export(d)
     assert rep.ok, rep.errors  # no NaN: the rows were read after the copy

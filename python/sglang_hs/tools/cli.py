@@ -9,7 +9,7 @@ import sys
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-cpu"]:  # every other argument belongs to the SGLang launcher
-        from sglang_hs.cpu import serve_cpu
+        from sglang_hs.tools.serve import serve_cpu
 
         return serve_cpu(argv[1:])
     p = argparse.ArgumentParser(prog="sglang-hs", description="Hidden-state export for EAGLE-3 training on SGLang.")
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
                                    "(default: model_path in export.json)")
     a = p.parse_args(argv)
     if a.cmd == "verify":
-        from sglang_hs.verify import verify_export
+        from sglang_hs.tools.verify import verify_export
 
         rep = verify_export(a.dir, a.model, a.samples or None, a.device)
         if a.json:
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
             print("OK" if rep.ok else "FAILED")
         sys.exit(0 if rep.ok else 1)
     if a.cmd == "capture":
-        from sglang_hs.client import CaptureConfig, capture
+        from sglang_hs.tools.capture import CaptureConfig, capture
 
         cfg = CaptureConfig(servers=a.server, data=a.data, out=a.out, tokenizer=a.tokenizer,
                             trust_remote_code=a.trust_remote_code,
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     if a.cmd == "inspect":
         import json
 
-        from sglang_hs.convert import inspect_export
+        from sglang_hs.tools.convert import inspect_export
         from sglang_hs.format import human_bytes
 
         r = inspect_export(a.dir)
@@ -96,14 +96,14 @@ def main(argv=None) -> None:
                 print(f"  failed in capture: {len(r['failed_ids'])}: {', '.join(r['failed_ids'][:20])}")
         return
     if a.cmd == "convert":
-        from sglang_hs import convert
+        from sglang_hs.tools import convert
 
         n = (convert.to_specforge(a.dir, a.dest) if a.to == "specforge"
              else convert.to_speculators(a.dir, a.dest, a.model))
         print(f"wrote {n} samples in the {a.to} layout to {a.dest}")
         return
     if a.cmd == "demo":
-        from sglang_hs.demo import run_demo
+        from sglang_hs.tools.demo import run_demo
 
         sys.exit(0 if run_demo(a.work_dir) else 1)
 

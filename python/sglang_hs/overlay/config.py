@@ -1,12 +1,17 @@
-"""Typed configuration of the export and its start-up checks (no SGLang imports)."""
+"""Typed configuration of the export, its start-up checks and what export.json records
+(no SGLang imports)."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import tempfile
 import uuid
 from typing import Optional, Sequence, Tuple
+
+from sglang_hs import __version__
+from sglang_hs.format import FORMAT_VERSION
 
 
 class ExportConfigError(ValueError):
@@ -27,7 +32,7 @@ class ExportConfig:
     write_timeout_s: float = 600.0
     # ZeroMQ address on which writers tell the HTTP process that a sample is durable.
     notify_addr: str = ""
-    # Export a model class sglang-hs has not compared with HF (sglang_hs.aux_layers).
+    # Export a model class sglang-hs has not compared with HF (sglang_hs.overlay.aux_layers).
     allow_untested_model: bool = False
 
     @staticmethod
@@ -86,3 +91,27 @@ def is_writer_rank(attn_tp_rank: int, attn_cp_rank: int, is_last_pp_rank: bool) 
     group sees its own requests, so each group's rank 0 writes its own.
     """
     return attn_tp_rank == 0 and attn_cp_rank == 0 and is_last_pp_rank
+
+
+def export_info(*, model_path: str, architecture: str, hidden_size: int, num_layers: int, dtype: str,
+                aux_layer_ids: Sequence[int], attention_backend: Optional[str], device: str, tp_size: int,
+                dp_size: int, sglang_version: str) -> dict:
+    """export.json: what the directory holds and what the numbers were computed with."""
+    return {
+        "format": FORMAT_VERSION,
+        "model_path": model_path,
+        "architecture": architecture,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "dtype": dtype,
+        "aux_layer_ids": list(aux_layer_ids),
+        "layer_id_convention": "hf_output_hidden_states",
+        "final_is_post_norm": True,
+        "attention_backend": attention_backend,
+        "device": device,
+        "tp_size": tp_size,
+        "dp_size": dp_size,
+        "sglang_version": sglang_version,
+        "sglang_hs_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -21,8 +21,8 @@ from typing import Dict, List, Optional
 import aiohttp
 
 from sglang_hs.format import SampleIdError, check_sample_id, human_bytes
-from sglang_hs.masks import truncate
-from sglang_hs.records import RecordError, Sample, iter_records, sample_id, to_sample
+from sglang_hs.tools.masks import truncate
+from sglang_hs.tools.records import RecordError, Sample, iter_records, sample_id, to_sample
 
 JOURNAL = "capture.jsonl"
 FAILED = "capture_failed.jsonl"
@@ -121,7 +121,7 @@ async def _post(session, router, path, body, retries) -> tuple:
 
 async def _regenerate(session, router, cfg: CaptureConfig, tok, s: Sample) -> Sample:
     """Let the target model write every assistant turn, then export the whole conversation."""
-    from sglang_hs.masks import chat_ids_and_mask
+    from sglang_hs.tools.masks import chat_ids_and_mask
 
     msgs, out = s.messages, []
     for m in msgs:

@@ -9,10 +9,10 @@ import time
 from importlib import resources
 from typing import List
 
-from sglang_hs import models
+from sglang_hs.tools import models
 from sglang_hs.format import human_bytes, load_sample, read_manifest, validate_export
-from sglang_hs.server import Server
-from sglang_hs.verify import verify_export
+from sglang_hs.tools.serve import LocalServer
+from sglang_hs.tools.verify import verify_export
 
 
 def demo_conversations() -> List[dict]:
@@ -32,7 +32,7 @@ def run_demo(work_dir: str = ".cache", concurrency: int = 8) -> bool:
     log = os.path.join(work_dir, "demo-server.log")
     print(f"[demo] model {model}\n[demo] exporting {len(ids)} conversations to {out} (server log: {log})")
     args = ["--model-path", model, "--export-hidden-states-dir", out, "--skip-server-warmup"]
-    with Server(args, log) as srv:
+    with LocalServer(args, log) as srv:
         print(f"[demo] server up in {srv.startup_s:.0f} s")
 
         def send(i):

@@ -1,5 +1,6 @@
-"""Per-scheduler-process export runtime: plans each extend forward, captures the exported
-rows, and hands complete prompts to the writer. The seams call it with plain values."""
+"""Per-scheduler-process export runtime: plans each extend forward, stages the exported
+rows in host memory, and hands complete prompts to the writer. The seams call it with plain
+values; every tensor-parallel rank runs it, only the writer rank stages and writes."""
 
 from __future__ import annotations
 
@@ -13,19 +14,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from sglang_hs.capture import (
-    AuxStates,
-    Piece,
-    ReqExport,
-    Segment,
-    gather_rows,
-    parse_request_options,
-    plan_forward,
-    split_rows,
-)
-from sglang_hs.writer import SampleWriter
+from sglang_hs.overlay.rows import AuxStates, RequestState, Segment, gather_rows, plan_forward, split_rows
+from sglang_hs.overlay.staging import DeviceStager, Piece
+from sglang_hs.overlay.writer import SampleWriter
+from sglang_hs.protocol import parse_request_options
 
-logger = logging.getLogger("sglang_hs.runtime")
+logger = logging.getLogger("sglang_hs.overlay.runtime")
 
 # Seconds between two stats lines of a rank (0: after every extend forward, for tests).
 STATS_INTERVAL_ENV = "SGLANG_HS_STATS_INTERVAL_S"
@@ -39,33 +33,6 @@ class _Forward:
     ready: Optional[object] = None  # CUDA event: the staged rows have landed
 
 
-class DeviceStager:
-    """Device->host copies of exported rows without stalling the forward loop.
-
-    The rows are gathered on the forward stream; a side stream then copies them into pinned
-    slabs and records an event. Only the writer thread waits on that event.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def copy(self, aux: torch.Tensor, final: torch.Tensor, pieces: List[Piece]):
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            a = 0
-            for p in pieces:
-                p.aux.copy_(aux[a:a + p.rows], non_blocking=True)
-                p.final.copy_(final[a:a + p.rows], non_blocking=True)
-                a += p.rows
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        # Keep the gathered device rows alive until the side stream has read them.
-        aux.record_stream(self.stream)
-        final.record_stream(self.stream)
-        return ready
-
-
 class ExportRuntime:
     def __init__(self, aux_layer_ids: Sequence[int], writer: Optional[SampleWriter], rank: str = "tp0"):
         self.rank = rank
@@ -73,7 +40,7 @@ class ExportRuntime:
         self.num_aux = len(self.aux_layer_ids)
         self.writer = writer  # None on ranks that do not write
         self._fwd: Optional[_Forward] = None
-        self._in_progress: Dict[int, ReqExport] = {}
+        self._in_progress: Dict[int, RequestState] = {}
         self._stager: Optional[DeviceStager] = None
         self.copies = 0  # device->host copies issued by this rank (proves who copies)
         # Every prefix cap this rank decided, hashed in order: tensor-parallel ranks must agree
@@ -84,7 +51,7 @@ class ExportRuntime:
         self._stats_interval = float(os.environ.get(STATS_INTERVAL_ENV, "10"))
         self._last_log = time.monotonic()
 
-    def prefix_cap(self, st: ReqExport, upstream_max: int) -> int:
+    def prefix_cap(self, st: RequestState, upstream_max: int) -> int:
         cap = st.prefix_cap(upstream_max)
         self.prefix_caps += 1
         self._caps_digest.update(f"{st.rid}:{upstream_max}:{cap};".encode())
@@ -92,14 +59,14 @@ class ExportRuntime:
 
     def new_state(
         self, rid: str, prompt_ids: Sequence[int], custom_params: Optional[dict], aborted: Callable[[], bool]
-    ) -> Optional[ReqExport]:
+    ) -> Optional[RequestState]:
         opts = parse_request_options(custom_params)  # validated already by the HTTP process
         if not opts.export:
             return None
-        return ReqExport(rid=rid, prompt_ids=prompt_ids, options=opts, aborted=aborted)
+        return RequestState(rid=rid, prompt_ids=prompt_ids, options=opts, aborted=aborted)
 
-    def begin_forward(self, states: Sequence[Optional[ReqExport]], prefix_lens, extend_lens) -> bool:
-        """Plan one extend forward; True when this rank must capture rows from it."""
+    def begin_forward(self, states: Sequence[Optional[RequestState]], prefix_lens, extend_lens) -> bool:
+        """Plan one extend forward; True when this rank must stage rows from it."""
         rows, segments, failed = plan_forward(states, prefix_lens, extend_lens)
         for st in failed:
             self._fail(st)
@@ -109,19 +76,20 @@ class ExportRuntime:
         self._fwd = _Forward(rows, segments)
         return True
 
-    def capture(self, final: torch.Tensor, aux: Optional[AuxStates]) -> None:
-        """Called inside the model's LogitsProcessor with every row of the forward."""
+    def stage(self, final: torch.Tensor, aux: Optional[AuxStates]) -> None:
+        """Called inside the model's LogitsProcessor with every row of the forward: copy the
+        planned rows into host slabs."""
         fwd = self._fwd
         if fwd is None or fwd.staged is not None:
             return
         if aux is None:
-            raise RuntimeError("sglang-hs: aux hidden-state capture is off in this forward")
+            raise RuntimeError("sglang-hs: the model returned no aux hidden states in this forward")
         index = torch.tensor(fwd.rows, dtype=torch.long)
         on_gpu = final.device.type == "cuda"
         if on_gpu:
             index = index.pin_memory().to(final.device, non_blocking=True)
         aux_rows, final_rows = gather_rows(final, aux, index, self.num_aux)
-        fwd.staged = self._slab_pieces(len(fwd.rows), final_rows.shape[-1], final_rows.dtype)
+        fwd.staged = self.writer.pool.pieces(len(fwd.rows), self.num_aux, final_rows.shape[-1], final_rows.dtype)
         if on_gpu:
             if self._stager is None:
                 self._stager = DeviceStager(final.device)
@@ -133,24 +101,6 @@ class ExportRuntime:
                 p.final.copy_(final_rows[a:a + p.rows])
                 a += p.rows
         self.copies += 1
-
-    def _slab_pieces(self, n: int, hidden: int, dtype: torch.dtype) -> List[Piece]:
-        """Host slabs for n rows: each holds r rows as aux [r, K, H] then final [r, H]."""
-        pool, k = self.writer.pool, self.num_aux
-        es = torch.empty((), dtype=dtype).element_size()
-        per_slab = pool.slab_bytes // ((k + 1) * hidden * es)
-        if per_slab < 1:
-            raise RuntimeError(f"sglang-hs: one row ({(k + 1) * hidden * es} bytes) exceeds a slab")
-        pieces, a = [], 0
-        while a < n:
-            r = min(per_slab, n - a)
-            slab = pool.take()
-            aux_bytes = r * k * hidden * es
-            aux = slab.data[:aux_bytes].view(dtype).view(r, k, hidden)
-            fin = slab.data[aux_bytes:aux_bytes + r * hidden * es].view(dtype).view(r, hidden)
-            pieces.append(Piece(aux, fin, slab))
-            a += r
-        return pieces
 
     def end_forward(self) -> None:
         fwd, self._fwd = self._fwd, None
@@ -167,7 +117,7 @@ class ExportRuntime:
         for st in complete:
             self.writer.submit(st, st.aborted)
         for seg in fwd.segments:
-            if seg.state.done or seg.state.dropped:
+            if seg.state.planned or seg.state.dropped:
                 self._in_progress.pop(id(seg.state), None)
             else:
                 self._in_progress[id(seg.state)] = seg.state
@@ -205,14 +155,14 @@ class ExportRuntime:
                 del self._in_progress[key]
                 st.drop(None)
                 self.writer.drop(st)
-                self.writer.notify(st.message(ok=False, aborted=True))
+                self.writer.notify(st.outcome(aborted=True))
 
-    def _drop(self, st: ReqExport, message: str) -> None:
+    def _drop(self, st: RequestState, message: str) -> None:
         """A failure only the writer sees: report it, keep no rows; planning goes on."""
         st.drop(message)
         self._fail(st)
 
-    def _fail(self, st: ReqExport) -> None:
+    def _fail(self, st: RequestState) -> None:
         self._in_progress.pop(id(st), None)
         if self.writer is not None:
             self.writer.drop(st)

@@ -16,33 +16,24 @@ turn an upstream crash on CPU into a working server: the MLA routing for torch_n
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import logging
 import os
 import uuid
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_hs import __version__
-from sglang_hs.capture import REQUEST_KEY, RequestOptionsError, parse_request_options
-from sglang_hs.config import (
+from sglang_hs.format import check_compatible, read_export_json, write_export_json
+from sglang_hs.overlay.config import (
     ExportConfig,
     ExportConfigError,
     check_aux_layer_ids,
     check_out_dir,
+    export_info,
     is_writer_rank,
-)
-from sglang_hs.format import (
-    FORMAT_VERSION,
-    DuplicateSampleError,
-    check_compatible,
-    check_sample_id,
-    read_export_json,
-    write_export_json,
 )
 
 logger = logging.getLogger("sglang_hs")
@@ -188,10 +179,10 @@ def _check_startup(server_args, args) -> ExportConfig:
 
 
 # --------------------------------------------------------------------------------------
-# Scheduler processes: capture
+# Scheduler processes: row planning and staging
 # --------------------------------------------------------------------------------------
 
-_runtime = None  # sglang_hs.runtime.ExportRuntime in a scheduler process with export on
+_runtime = None  # sglang_hs.overlay.runtime.ExportRuntime in a scheduler process with export on
 
 
 @seam("sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends", HookType.AFTER)
@@ -200,7 +191,7 @@ def init_attention_backends(result, self):
     CUDA graph capture).
 
     Why: turn on the model's EAGLE-3 aux capture with no draft model at our HF ids and read
-    back what will be captured (sglang_hs.aux_layers: any family, wrappers included), and build the writer
+    back what will be captured (sglang_hs.overlay.aux_layers: any family, wrappers included), and build the writer
     on the one rank per data-parallel group that writes. Graphs captured afterwards then
     carry the aux outputs. Upstream PR: a "capture aux hidden states" server option that
     calls set_eagle3_layers_to_capture without a draft model. Remove with it.
@@ -209,8 +200,8 @@ def init_attention_backends(result, self):
     cfg = config()
     if cfg is None or self.is_draft_worker:
         return
-    from sglang_hs.aux_layers import set_aux_layers
-    from sglang_hs.runtime import ExportRuntime
+    from sglang_hs.overlay.aux_layers import set_aux_layers
+    from sglang_hs.overlay.runtime import ExportRuntime
 
     model = self.model
     arch = type(model).__name__
@@ -232,28 +223,16 @@ def init_attention_backends(result, self):
 def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
     import sglang
 
-    from sglang_hs.notify import Notifier
-    from sglang_hs.writer import SampleWriter, SlabPool
+    from sglang_hs.overlay.notify import Notifier
+    from sglang_hs.overlay.staging import SlabPool
+    from sglang_hs.overlay.writer import SampleWriter
 
     sa = runner.server_args
-    info = {
-        "format": FORMAT_VERSION,
-        "model_path": sa.model_path,
-        "architecture": arch,
-        "hidden_size": runner.model_config.hidden_size,
-        "num_layers": num_layers,
-        "dtype": str(runner.dtype).replace("torch.", ""),
-        "aux_layer_ids": list(ids),
-        "layer_id_convention": "hf_output_hidden_states",
-        "final_is_post_norm": True,
-        "attention_backend": sa.attention_backend,
-        "device": sa.device,
-        "tp_size": sa.tp_size,
-        "dp_size": sa.dp_size,
-        "sglang_version": sglang.__version__,
-        "sglang_hs_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+    info = export_info(
+        model_path=sa.model_path, architecture=arch, hidden_size=runner.model_config.hidden_size,
+        num_layers=num_layers, dtype=str(runner.dtype).replace("torch.", ""), aux_layer_ids=ids,
+        attention_backend=sa.attention_backend, device=sa.device, tp_size=sa.tp_size, dp_size=sa.dp_size,
+        sglang_version=sglang.__version__)
     existing = read_export_json(cfg.out_dir)
     if existing is None:
         write_export_json(cfg.out_dir, info)
@@ -334,7 +313,7 @@ def logits_forward(original, self, input_ids, hidden_states, lm_head, logits_met
     """
     rt = _runtime
     if rt is not None:
-        rt.capture(hidden_states, aux_hidden_states)
+        rt.stage(hidden_states, aux_hidden_states)
     return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
                     *args, **kwargs)
 
@@ -416,14 +395,39 @@ _waiter = None
 def _http_waiter(cfg: ExportConfig):
     global _waiter
     if _waiter is None:
-        from sglang_hs.notify import ExportWaiter
+        from sglang_hs.overlay.notify import ExportWaiter
 
         _waiter = ExportWaiter(cfg.notify_addr, cfg.out_dir, cfg.write_timeout_s)
     return _waiter
 
 
-def _as_list(x, n):
-    return list(x) if isinstance(x, list) else [x] * n
+@seam("sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments", HookType.AFTER)
+def admit_generate_request(result, self):
+    """Target: GenerateReqInput.normalize_batch_and_arguments (the first thing
+    TokenizerManager.generate_request does with a /generate call: every rid filled in, one
+    sampling-params dict per entry, batch size and n known).
+
+    Why: admit the call on that normalised form (sglang_hs.overlay.admission): refuse unsafe,
+    already-exported or in-flight rids and bad export options with HTTP 400/409/423 before
+    any work, and tag each exported entry with this call's id, which its writer echoes.
+    Upstream PR: a request-validation hook for plugins. Remove with it.
+    """
+    cfg = config()
+    if cfg is None:
+        return None
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+
+    from sglang_hs.overlay.admission import admit
+
+    waiter = _http_waiter(cfg)
+    rids = [self.rid] if self.is_single else list(self.rid)
+    count = len(rids) * self.parallel_sample_num
+    params = [self.sampling_params] * count if isinstance(self.sampling_params, dict) else self.sampling_params
+    adm = admit(rids, params, self.parallel_sample_num, self.input_embeds is not None, waiter.exported,
+                uuid.uuid4().hex, skip_prefix=HEALTH_CHECK_RID_PREFIX)
+    waiter.admit(adm.rids)
+    self._sglang_hs = adm
+    return None
 
 
 @seam("sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request", HookType.AROUND)
@@ -431,86 +435,29 @@ async def generate_request(original, self, obj, request=None):
     """Target: TokenizerManager.generate_request (async generator behind /generate and the
     OpenAI endpoints).
 
-    Why: reject unsafe, already-exported or in-flight rids and bad export options with HTTP
-    400/409/423 before any work, and hold the final response until the sample is durable,
-    adding meta_info["hidden_states_export"]. Upstream PR: request-validation and response hooks for
-    plugins. Remove with them.
+    Why: hold each exported request's final response until its sample is durable, adding
+    meta_info["hidden_states_export"], or answer with the write's error for that request
+    only; free the call's rids when it ends. Upstream PR: a response hook for plugins.
+    Remove with it.
     """
     cfg = config()
-    from sglang.srt.managers.io_struct import GenerateReqInput
-
-    if cfg is None or not isinstance(obj, GenerateReqInput):
+    if cfg is None:
         async for out in original(self, obj, request):
             yield out
         return
+    from sglang_hs.overlay.admission import hold_until_durable
+
     waiter = _http_waiter(cfg)
-    token = uuid.uuid4().hex
-    exported, explicit = _check_request(obj, waiter, token)
-    waiter.admit(explicit)
-    unclaimed = set(explicit)  # outcomes this call has not taken (yet)
     try:
         async for out in original(self, obj, request):
-            for item in out if isinstance(out, list) else [out]:
-                mi = item.get("meta_info", {}) if isinstance(item, dict) else {}
-                rid, fin = mi.get("id"), mi.get("finish_reason")
-                if fin is None or rid is None or not exported(rid):
-                    continue
-                unclaimed.add(rid)
-                if isinstance(fin, dict) and fin.get("type") == "abort":
-                    continue
-                result = await waiter.wait(rid, token)
-                unclaimed.discard(rid)
-                info = waiter.meta_info(result, cfg.out_dir)
-                if info is not None:
-                    mi["hidden_states_export"] = info
+            adm = obj.__dict__.get("_sglang_hs")  # set by admit_generate_request (GenerateReqInput only)
+            if adm is not None and adm.rids:
+                await hold_until_durable(out, adm, waiter, cfg.out_dir)
             yield out
     finally:
-        waiter.release(explicit, token, unclaimed)
-
-
-def _batch_size(obj) -> int:
-    """How many requests a /generate call holds, read before SGLang normalises it: a batch of
-    prompts may come with one rid-less, shared sampling_params dict."""
-    for field in (obj.rid, obj.sampling_params, obj.text):
-        if isinstance(field, list):
-            return len(field)
-    ids = obj.input_ids
-    return len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else 1
-
-
-def _check_request(obj, waiter, token: str) -> Tuple[Callable[[str], bool], List[str]]:
-    """Validate rids and options and tag each exported entry with this call's token.
-
-    Returns which (final) rids are exported and the explicit rids among them.
-    """
-    n = _batch_size(obj)
-    if obj.sampling_params is None:
-        obj.sampling_params = {}
-    rids = _as_list(obj.rid, n)
-    params = _as_list(obj.sampling_params, n)
-    opted_out, explicit = set(), []
-    # Each error is a ValueError with a status_code: /generate answers with it and the message.
-    if obj.input_embeds is not None:
-        raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
-    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
-
-    for i, (rid, sp) in enumerate(zip(rids, params)):
-        cp = sp.get("custom_params") or {}
-        opts = parse_request_options(cp)
-        if not opts.export or str(rid).startswith(HEALTH_CHECK_RID_PREFIX):  # schedulers skip those too
-            opted_out.add(i)
-            continue
-        sp["custom_params"] = {**cp, REQUEST_KEY: {**(cp.get(REQUEST_KEY) or {}), "token": token}}
-        if rid is not None:
-            check_sample_id(rid)
-            if rid in waiter.exported:
-                raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
-                                           "(exported samples are never overwritten)")
-            explicit.append(rid)
-    if not opted_out:
-        return (lambda rid: True), explicit
-    # Opted-out entries are known by position; SGLang fills missing rids in place.
-    return (lambda rid: not any(_as_list(obj.rid, n)[i] == rid for i in opted_out)), explicit
+        adm = obj.__dict__.get("_sglang_hs")
+        if adm is not None:
+            waiter.release(adm.rids, adm.call_id, adm.unclaimed)
 
 
 def seam_targets() -> List[str]:

@@ -4,7 +4,7 @@ cores each rank's threads are bound to."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_hs.cpu import cpu_env, threads_bind, tp_size_of
+from sglang_hs.tools.serve import cpu_env, threads_bind, tp_size_of
 
 
 def test_tp_size_as_the_launcher_spells_it():

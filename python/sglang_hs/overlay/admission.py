@@ -1,0 +1,85 @@
+"""Request admission in the HTTP process: which entries of a /generate call are exported,
+their checks, and holding the final response until each sample is durable.
+
+Plain values in, plain values out: the seams read SGLang's request after its own
+normalisation (every rid filled in, one sampling-params dict per entry) and call these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Set
+
+from sglang_hs.format import check_sample_id
+from sglang_hs.protocol import REQUEST_KEY, DuplicateSampleError, RequestOptionsError, parse_request_options
+
+
+@dataclasses.dataclass
+class Admission:
+    """The exported entries of one /generate call."""
+
+    call_id: str
+    rids: List[str]  # exported rids, in the call's order
+    # Exported rids whose outcome this call has not taken (yet); dropped when the call ends.
+    unclaimed: Set[str] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self):
+        self.unclaimed = set(self.rids)
+
+
+def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_num: int,
+          has_input_embeds: bool, exported: Set[str], call_id: str,
+          skip_prefix: Optional[str] = None) -> Admission:
+    """Validate one normalised /generate call and tag each exported entry with `call_id`.
+
+    rids: one per entry; sampling_params: one dict per entry (a batch that shared one dict
+    lists it once per entry, the same object); exported: ids already in the manifest.
+    An entry is exported unless it opts out (`"export": false`) or is SGLang's own health
+    check (`skip_prefix`), which the schedulers skip too. Each error carries its HTTP status.
+    """
+    if len(sampling_params) != len(rids) * parallel_sample_num:
+        raise ValueError(f"{len(rids)} rids but {len(sampling_params)} sampling params")
+    options = [parse_request_options(sp.get("custom_params")) for sp in sampling_params]
+    if parallel_sample_num > 1:
+        # SGLang repeats the whole list n times, and sends n + 1 requests under new rids.
+        if any(o.export for o in options):
+            raise RequestOptionsError(
+                f"n={parallel_sample_num} samples one prompt {parallel_sample_num} times and its hidden "
+                "states are the same each time: send n=1, or opt out with custom_params "
+                f'{{"{REQUEST_KEY}": {{"export": false}}}}')
+        return Admission(call_id, [])
+    keep = []
+    for i, (rid, opts) in enumerate(zip(rids, options)):
+        if not opts.export or (skip_prefix and str(rid).startswith(skip_prefix)):
+            continue
+        if has_input_embeds:
+            raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
+        check_sample_id(rid)
+        if rid in exported:
+            raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
+                                       "(exported samples are never overwritten)")
+        keep.append(i)
+    for i in keep:
+        sp = sampling_params[i]
+        cp = sp.get("custom_params") or {}
+        sp["custom_params"] = {**cp, REQUEST_KEY: {**(cp.get(REQUEST_KEY) or {}), "call_id": call_id}}
+    return Admission(call_id, [rids[i] for i in keep])
+
+
+async def hold_until_durable(out, adm: Admission, waiter, out_dir: str) -> None:
+    """For each finished, exported request in one output of the call (a dict, or a list of
+    them for a batch), wait for its outcome and add meta_info["hidden_states_export"]. An
+    aborted request has nothing to wait for; a failed sample raises its ExportError."""
+    for item in out if isinstance(out, list) else [out]:
+        mi = item.get("meta_info", {}) if isinstance(item, dict) else {}
+        rid, fin = mi.get("id"), mi.get("finish_reason")
+        if fin is None or rid not in adm.unclaimed:
+            continue
+        if isinstance(fin, dict) and fin.get("type") == "abort":
+            continue
+        outcome = await waiter.wait(rid, adm.call_id)
+        adm.unclaimed.discard(rid)
+        info = outcome.meta_info(out_dir)
+        if info is not None:
+            mi["hidden_states_export"] = info
+

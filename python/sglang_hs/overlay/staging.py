@@ -1,0 +1,175 @@
+"""Host staging of exported rows: from the device copy until the writer has them on disk.
+
+A forward's exported rows are copied into fixed-size host slabs (pinned on a GPU, so the copy
+is asynchronous, and reused, so memory stays bounded); each request holds its rows as
+pieces that point into slabs, and a slab goes back to the pool when no piece uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import List, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class Piece:
+    """Consecutive rows of one request in host memory: aux [r, K, H] and final [r, H], both
+    contiguous (so they stream to the file without a copy), and the slab that holds them."""
+
+    aux: torch.Tensor
+    final: torch.Tensor
+    slab: Optional["Slab"] = None  # reference-counted
+
+    @property
+    def rows(self) -> int:
+        return self.aux.shape[0]
+
+    def head(self, n: int) -> "Piece":
+        return Piece(self.aux[:n], self.final[:n], self.slab) if n < self.rows else self
+
+    def release(self) -> None:
+        if self.slab is not None:
+            self.slab.unref()
+            self.slab = None
+
+
+SLAB_BYTES = 32 << 20
+
+
+class Slab:
+    """A fixed-size block of (pinned) host memory holding rows of several requests; returned
+    to its pool when the last request using it has been written or dropped."""
+
+    __slots__ = ("data", "pool", "refs", "pooled")
+
+    def __init__(self, data: torch.Tensor, pool: "SlabPool", pooled: bool):
+        self.data, self.pool, self.refs, self.pooled = data, pool, 0, pooled
+
+    def ref(self) -> None:
+        with self.pool._cv:
+            self.refs += 1
+
+    def unref(self) -> None:
+        with self.pool._cv:
+            self.refs -= 1
+            if self.refs == 0:
+                self.pool._give(self)
+
+
+class SlabPool:
+    """Bounded, reusable host memory for exported rows, from device copy until on disk.
+
+    At most limit/slab_bytes slabs are ever allocated (pinned on a GPU, so device->host copies
+    are asynchronous); all have one size, so they are reused without fragmentation. When none
+    is free, `take` blocks the forward loop (back-pressure) as long as the writer has queued
+    samples whose slabs it will free. Rows of prompts still being chunk-prefilled cannot be
+    written yet; if they alone hold every slab, waiting would deadlock, so an unpooled
+    (pageable, freed after use) slab is handed out instead and counted as overflow.
+    """
+
+    def __init__(self, limit_bytes: int, slab_bytes: int = SLAB_BYTES, pin: bool = False):
+        self.slab_bytes = slab_bytes
+        self.max_slabs = max(1, limit_bytes // slab_bytes)
+        self.pin = pin
+        self.pooled = 0
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.overflow = 0
+        self.queued = 0
+        self.waited_s = 0.0
+        self._free: List[Slab] = []
+        self._cv = threading.Condition()
+
+    def take(self) -> Slab:
+        with self._cv:
+            t0 = None
+            while not self._free and self.pooled >= self.max_slabs and self.queued > 0:
+                t0 = t0 or time.perf_counter()
+                self._cv.wait(timeout=1.0)
+            if t0:
+                self.waited_s += time.perf_counter() - t0
+            if self._free:
+                slab = self._free.pop()
+            elif self.pooled < self.max_slabs:
+                self.pooled += 1
+                slab = Slab(torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin), self, True)
+            else:
+                self.overflow += 1
+                slab = Slab(torch.empty(self.slab_bytes, dtype=torch.uint8), self, False)
+            slab.refs = 1
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return slab
+
+    def pieces(self, n: int, num_aux: int, hidden: int, dtype: torch.dtype) -> List[Piece]:
+        """Host rows for n exported rows, in slabs: each holds r rows as aux [r, K, H] then
+        final [r, H], both contiguous."""
+        k = num_aux
+        es = torch.empty((), dtype=dtype).element_size()
+        per_slab = self.slab_bytes // ((k + 1) * hidden * es)
+        if per_slab < 1:
+            raise RuntimeError(f"sglang-hs: one row ({(k + 1) * hidden * es} bytes) exceeds a slab")
+        pieces, a = [], 0
+        while a < n:
+            r = min(per_slab, n - a)
+            slab = self.take()
+            aux_bytes = r * k * hidden * es
+            aux = slab.data[:aux_bytes].view(dtype).view(r, k, hidden)
+            fin = slab.data[aux_bytes:aux_bytes + r * hidden * es].view(dtype).view(r, hidden)
+            pieces.append(Piece(aux, fin, slab))
+            a += r
+        return pieces
+
+    def _give(self, slab: Slab) -> None:  # called with the lock held
+        self.in_use -= 1
+        if slab.pooled:
+            self._free.append(slab)
+        self._cv.notify_all()
+
+    def enqueue(self) -> None:
+        with self._cv:
+            self.queued += 1
+
+    def dequeue(self) -> None:
+        with self._cv:
+            self.queued -= 1
+            self._cv.notify_all()
+
+    def stats(self) -> dict:
+        return {"slab_bytes": self.slab_bytes, "max_slabs": self.max_slabs, "pinned": self.pin,
+                "host_bytes_allocated": self.pooled * self.slab_bytes,
+                "host_bytes_peak_in_use": self.peak_in_use * self.slab_bytes, "overflow_slabs": self.overflow,
+                "backpressure_wait_s": round(self.waited_s, 3)}
+
+
+class DeviceStager:
+    """Device->host copies of exported rows without stalling the forward loop.
+
+    The rows are gathered on the forward stream; a side stream then copies them into pinned
+    slabs and records an event. Only the writer thread waits on that event.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, aux: torch.Tensor, final: torch.Tensor, pieces: List[Piece]):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            a = 0
+            for p in pieces:
+                p.aux.copy_(aux[a:a + p.rows], non_blocking=True)
+                p.final.copy_(final[a:a + p.rows], non_blocking=True)
+                a += p.rows
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        # Keep the gathered device rows alive until the side stream has read them.
+        aux.record_stream(self.stream)
+        final.record_stream(self.stream)
+        return ready
+
+

@@ -1,0 +1,141 @@
+"""Run the stock SGLang launcher: `sglang-hs serve-cpu` on a machine with no GPU, and
+`LocalServer` to start and stop one from Python (the demo, tests, benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import requests
+
+# The sgl_kernel import shim runs inside SGLang's processes, so it lives on the overlay side.
+SHIM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "overlay", "cpu_shim")
+
+# What SGLang's CPU mode needs, unless the caller already chose otherwise. --sleep-on-idle: an
+# idle scheduler otherwise busy-polls a whole core, which on a small CPU box slows everything.
+CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("--max-total-tokens", "16384"),
+                ("--sleep-on-idle", None))
+
+
+def tp_size_of(args: Sequence[str]) -> int:
+    for i, a in enumerate(args):
+        for flag in ("--tp-size", "--tensor-parallel-size"):
+            if a == flag and i + 1 < len(args):
+                return int(args[i + 1])
+            if a.startswith(flag + "="):
+                return int(a.split("=", 1)[1])
+    return 1
+
+
+def threads_bind(tp_size: int, cpus: Sequence[int]) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `tp_size` ranks: the usable cores split into
+    contiguous groups, one per rank ("0|1" on two cores); ranks share cores when there are
+    fewer cores than ranks. Upstream otherwise wants one NUMA node per rank."""
+    cpus = sorted(cpus)
+    groups = [cpus[r * len(cpus) // tp_size:(r + 1) * len(cpus) // tp_size] or [cpus[r % len(cpus)]]
+              for r in range(tp_size)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def cpu_env(base: Dict[str, str] = None, tp_size: int = 1) -> Dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    if tp_size > 1:
+        cpus = sorted(os.sched_getaffinity(0))
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", threads_bind(tp_size, cpus))
+        # Without AMX upstream binds no threads, so each rank would start one per core.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(cpus) // tp_size)))
+    # Without SGLANG_USE_CPU_ENGINE the layers ignore --device cpu.
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def cpu_server_argv(args: Sequence[str]) -> List[str]:
+    argv = [sys.executable, "-m", "sglang.launch_server", *args]
+    for flag, value in CPU_DEFAULTS:
+        if not any(a == flag or a.startswith(flag + "=") for a in args):
+            argv += [flag] if value is None else [flag, value]
+    return argv
+
+
+def serve_cpu(args: Sequence[str]) -> None:
+    """Replace this process with `python -m sglang.launch_server ARGS` in CPU mode."""
+    argv = cpu_server_argv(args)
+    os.execve(argv[0], argv, cpu_env(tp_size=tp_size_of(args)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """`with LocalServer(args, log_path) as srv: requests.post(srv.url + "/generate", ...)`.
+
+    cpu=True runs it the way `sglang-hs serve-cpu` does; otherwise the stock launcher as is.
+    """
+
+    def __init__(self, args: Sequence[str], log_path: str, cpu: bool = True, timeout_s: float = 600,
+                 port: Optional[int] = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [*args, "--port", str(self.port), "--host", "127.0.0.1"]
+        self.argv: List[str] = cpu_server_argv(args) if cpu else [sys.executable, "-m", "sglang.launch_server", *args]
+        self.env = cpu_env(tp_size=tp_size_of(args)) if cpu else dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log_path = log_path
+        self.timeout_s = timeout_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.startup_s = 0.0
+
+    def __enter__(self) -> "LocalServer":
+        t0 = time.time()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        while time.time() - t0 < self.timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.startup_s = time.time() - t0
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"server not healthy after {self.timeout_s} s; log:\n{self.log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    @property
+    def export_dir(self) -> Optional[str]:
+        """The server's --export-hidden-states-dir, as given."""
+        argv = self.argv
+        for i, x in enumerate(argv):
+            if x == "--export-hidden-states-dir" and i + 1 < len(argv):
+                return argv[i + 1]
+            if x.startswith("--export-hidden-states-dir="):
+                return x.split("=", 1)[1]
+        return None
+
+    def log_tail(self, n: int = 60) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+
+    def generate(self, payload: dict, timeout: float = 600) -> requests.Response:
+        return requests.post(self.url + "/generate", json=payload, timeout=timeout)

@@ -1,0 +1,135 @@
+"""Admission of /generate calls, on the normalised form the seam reads off SGLang's request
+(the conformance test pins that form): which entries are exported, which are refused and
+with what status, and holding the response until the outcome arrives."""
+
+import asyncio
+
+import pytest
+
+from sglang_hs.overlay.admission import Admission, admit, hold_until_durable
+from sglang_hs.protocol import (
+    REQUEST_KEY,
+    DuplicateSampleError,
+    ExportError,
+    Outcome,
+    RequestOptionsError,
+    SampleIdError,
+)
+
+OPT_OUT = {"custom_params": {REQUEST_KEY: {"export": False}}}
+
+
+def call_ids(params):
+    return [(sp.get("custom_params") or {}).get(REQUEST_KEY, {}).get("call_id") for sp in params]
+
+
+def test_a_single_request_is_tagged_with_the_call_id():
+    params = [{"max_new_tokens": 1}]
+    adm = admit(["a"], params, 1, False, set(), "c1")
+    assert adm.rids == ["a"] and adm.unclaimed == {"a"} and call_ids(params) == ["c1"]
+
+
+def test_a_batch_with_one_shared_params_dict_opts_out_every_entry():
+    shared = dict(OPT_OUT)
+    params = [shared] * 3  # SGLang repeats one shared dict per entry
+    adm = admit(["a", "b", "c"], params, 1, False, set(), "c1")
+    assert adm.rids == [] and call_ids(params) == [None] * 3
+
+
+def test_a_batch_exports_all_but_the_entries_that_opt_out():
+    params = [{}, dict(OPT_OUT), {"custom_params": {"other": 1}}]
+    adm = admit(["a", "b", "c"], params, 1, False, set(), "c1")
+    assert adm.rids == ["a", "c"] and call_ids(params) == ["c1", None, "c1"]
+    assert params[2]["custom_params"]["other"] == 1, "the client's own custom params are kept"
+
+
+def test_a_shared_params_dict_of_an_exported_batch_carries_the_one_call_id():
+    shared = {}
+    adm = admit(["a_0", "a_1"], [shared, shared], 1, False, set(), "c1")
+    assert adm.rids == ["a_0", "a_1"] and call_ids([shared]) == ["c1"]
+
+
+def test_health_checks_are_never_exported():
+    adm = admit(["HEALTH_CHECK_1"], [{}], 1, False, set(), "c1", skip_prefix="HEALTH_CHECK")
+    assert adm.rids == []
+
+
+@pytest.mark.parametrize("rid", ["../x", "_a", ".hidden", "-a", "a" * 201, "a.tmp", "a b"])
+def test_a_rid_that_cannot_name_a_file_is_refused(rid):
+    with pytest.raises(SampleIdError) as e:
+        admit([rid], [{}], 1, False, set(), "c1")
+    assert e.value.status_code == 400
+
+
+def test_an_exported_rid_is_refused_and_nothing_is_tagged():
+    params = [{}, {}]
+    with pytest.raises(DuplicateSampleError) as e:
+        admit(["new", "old"], params, 1, False, {"old"}, "c1")
+    assert e.value.status_code == 409 and call_ids(params) == [None, None]
+
+
+def test_an_opted_out_entry_may_reuse_an_exported_rid():
+    assert admit(["old"], [dict(OPT_OUT)], 1, False, {"old"}, "c1").rids == []
+
+
+def test_n_above_one_is_refused_with_export_on_and_allowed_opted_out():
+    # SGLang's normalised form for n=2: one rid, the params list repeated twice.
+    with pytest.raises(RequestOptionsError, match="send n=1"):
+        admit(["a"], [{"n": 2}, {"n": 2}], 2, False, set(), "c1")
+    assert admit(["a"], [dict(OPT_OUT, n=2)] * 2, 2, False, set(), "c1").rids == []
+
+
+def test_input_embeds_are_refused_with_export_on():
+    with pytest.raises(RequestOptionsError, match="input_embeds"):
+        admit(["a"], [{}], 1, True, set(), "c1")
+    assert admit(["a"], [dict(OPT_OUT)], 1, True, set(), "c1").rids == []
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(RequestOptionsError):
+        admit(["a"], [{"custom_params": {REQUEST_KEY: {"export": "false"}}}], 1, False, set(), "c1")
+
+
+class Waiter:
+    """Outcomes by (rid, call id), as ExportWaiter.wait returns them."""
+
+    def __init__(self, outcomes):
+        self.outcomes = {(o.rid, o.call_id): o for o in outcomes}
+        self.waited = []
+
+    async def wait(self, rid, call_id):
+        self.waited.append(rid)
+        return self.outcomes[(rid, call_id)]
+
+
+def finished(rid, fin={"type": "length"}):
+    return {"text": "", "meta_info": {"id": rid, "finish_reason": fin}}
+
+
+def hold(out, adm, waiter):
+    asyncio.new_event_loop().run_until_complete(hold_until_durable(out, adm, waiter, "/d"))
+    return out
+
+
+def test_a_finished_exported_request_gets_its_export_info():
+    adm = Admission("c1", ["a", "b"])
+    w = Waiter([Outcome("a", "c1", ok=True, path="p/a", num_tokens=3, bytes=9)])
+    out = hold([finished("a"), finished("z")], adm, w)  # z: opted out, not waited for
+    assert out[0]["meta_info"]["hidden_states_export"] == {"dir": "/d", "path": "p/a", "num_tokens": 3, "bytes": 9}
+    assert "hidden_states_export" not in out[1]["meta_info"] and w.waited == ["a"]
+    assert adm.unclaimed == {"b"}
+
+
+def test_unfinished_and_aborted_requests_wait_for_nothing():
+    adm = Admission("c1", ["a", "b"])
+    w = Waiter([])
+    hold([finished("a", None), finished("b", {"type": "abort", "message": "x"})], adm, w)
+    assert w.waited == [] and adm.unclaimed == {"a", "b"}  # the abort's outcome is dropped on release
+
+
+def test_a_failed_sample_answers_with_its_status():
+    adm = Admission("c1", ["a"])
+    w = Waiter([Outcome("a", "c1", error="No space left on device", status=507)])
+    with pytest.raises(ExportError) as e:
+        hold(finished("a"), adm, w)
+    assert e.value.status_code == 507 and adm.unclaimed == set()

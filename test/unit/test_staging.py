@@ -1,0 +1,55 @@
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_hs.overlay.staging import SlabPool
+
+
+def test_pool_is_bounded_applies_backpressure_and_never_deadlocks():
+    pool = SlabPool(3 << 10, slab_bytes=1 << 10)  # three slabs at most
+    held = [pool.take() for _ in range(3)]
+    pool.enqueue()  # the writer has a sample whose slab it will free
+    freed = threading.Event()
+
+    def writer():
+        time.sleep(0.3)
+        held[0].unref()
+        freed.set()
+        pool.dequeue()
+
+    threading.Thread(target=writer).start()
+    t0 = time.perf_counter()
+    again = pool.take()  # waits for the writer
+    assert freed.is_set() and time.perf_counter() - t0 >= 0.25 and again is held[0]
+    # Only unfinished prompts hold slabs and nothing is queued: waiting would hang, so an
+    # unpooled slab is handed out and the pool itself never grows past its limit.
+    extra = pool.take()
+    assert not extra.pooled and pool.overflow == 1 and pool.pooled == 3
+    extra.unref()
+    assert pool.stats()["host_bytes_allocated"] == 3 << 10
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pieces_lay_rows_out_contiguously_in_slabs_and_return_them(dtype):
+    k, h = 3, 8
+    row_bytes = (k + 1) * h * torch.empty((), dtype=dtype).element_size()
+    pool = SlabPool(1 << 20, slab_bytes=5 * row_bytes + 7)  # five rows per slab, a ragged tail unused
+    pieces = pool.pieces(12, k, h, dtype)
+    assert [p.rows for p in pieces] == [5, 5, 2] and pool.in_use == 3
+    for i, p in enumerate(pieces):
+        assert p.aux.shape == (p.rows, k, h) and p.final.shape == (p.rows, h)
+        assert p.aux.is_contiguous() and p.final.is_contiguous() and p.aux.dtype == dtype
+        p.aux.fill_(i)
+        p.final.fill_(-i)
+    # aux and final of one slab do not overlap
+    assert all((p.aux == i).all() and (p.final == -i).all() for i, p in enumerate(pieces))
+    for p in pieces:
+        p.release()
+    assert pool.in_use == 0 and len(pool._free) == 3
+
+
+def test_a_row_larger_than_a_slab_is_refused():
+    with pytest.raises(RuntimeError, match="exceeds a slab"):
+        SlabPool(1 << 20, slab_bytes=64).pieces(1, 3, 64, torch.bfloat16)
