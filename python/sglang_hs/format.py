@@ -123,10 +123,20 @@ def write_sample_file(path: str, tensors: Mapping[str, Parts], metadata: Dict[st
 
 
 def append_manifest(fd: int, sample_id: str, rel_path: str, num_tokens: int) -> None:
-    """One write() per line on an O_APPEND descriptor: lines from several writers never mix."""
-    line = json.dumps({"id": sample_id, "path": rel_path, "num_tokens": num_tokens}) + "\n"
-    os.write(fd, line.encode())
-    os.fsync(fd)
+    """Append one line and fsync it, or raise and leave the manifest as it was.
+
+    A write can be short (a full disk, a file-size limit): the rest is written, and if that
+    fails the partial line is cut off, so the next append never glues onto it. Callers
+    serialise their appends to one descriptor (the cut assumes no other line was added).
+    """
+    line = (json.dumps({"id": sample_id, "path": rel_path, "num_tokens": num_tokens}) + "\n").encode()
+    start = os.fstat(fd).st_size
+    try:
+        _write_all(fd, line)
+        os.fsync(fd)
+    except BaseException:
+        os.ftruncate(fd, start)
+        raise
 
 
 def open_manifest(out_dir: str) -> int:
@@ -236,8 +246,6 @@ def validate_export(
     if rep.errors:
         return rep
     rep.errors += [x for x in _manifest_lines(out_dir) if isinstance(x, str)]
-    hidden, k_aux = info["hidden_size"], len(info["aux_layer_ids"])
-    dtype = _DTYPES.get(info["dtype"])
     seen = set()
     for entry, path in iter_samples(out_dir):
         sid = entry.get("id")
@@ -251,40 +259,157 @@ def validate_export(
             continue
         rep.samples += 1
         rep.bytes += os.path.getsize(path)
-        try:
-            t = load_sample(path)
-            meta = sample_metadata(path)
-        except Exception as e:  # a damaged file is a finding, not a crash of the validator
-            rep.errors.append(f"{where}: unreadable ({e})")
-            continue
-        missing = [k for k in REQUIRED_KEYS if k not in t]
-        extra = [k for k in t if k not in REQUIRED_KEYS + OPTIONAL_KEYS]
-        if missing or extra:
-            rep.errors.append(f"{where}: missing keys {missing}, unexpected keys {extra}")
-            continue
-        tok, aux, fin = t["token_ids"], t["aux_hidden_states"], t["final_hidden_states"]
-        n = tok.shape[0] if tok.dim() == 1 else -1
+        want = expected_tokens.get(sid) if expected_tokens is not None else None
+        errors, n = sample_errors(info, sid, path, entry.get("num_tokens"), want, check_values)
         rep.tokens += max(n, 0)
-        checks = [
-            (tok.dim() == 1 and not tok.is_floating_point(), f"token_ids {tuple(tok.shape)} {tok.dtype}"),
-            (tuple(aux.shape) == (n, k_aux, hidden), f"aux_hidden_states {tuple(aux.shape)} != {(n, k_aux, hidden)}"),
-            (tuple(fin.shape) == (n, hidden), f"final_hidden_states {tuple(fin.shape)} != {(n, hidden)}"),
-            (dtype is None or (aux.dtype == dtype and fin.dtype == dtype), f"dtype {aux.dtype}/{fin.dtype} != {info['dtype']}"),
-            (entry.get("num_tokens") == n, f"manifest num_tokens {entry.get('num_tokens')} != {n}"),
-            (meta.get("id") == sid, f"metadata id {meta.get('id')!r}"),
-            (meta.get("aux_layer_ids") == json.dumps(info["aux_layer_ids"]), f"metadata aux_layer_ids {meta.get('aux_layer_ids')}"),
-        ]
-        if "loss_mask" in t:
-            lm = t["loss_mask"]
-            checks.append((lm.dtype == torch.uint8 and tuple(lm.shape) == (n,) and bool(((lm == 0) | (lm == 1)).all()),
-                           f"loss_mask {tuple(lm.shape)} {lm.dtype} must be [T] uint8 of 0/1"))
-        if expected_tokens is not None and sid in expected_tokens:
-            checks.append((tok.tolist() == list(expected_tokens[sid]), "token_ids differ from the client's tokens"))
-        if check_values:
-            checks.append((bool(torch.isfinite(aux).all() and torch.isfinite(fin).all()), "NaN or Inf in hidden states"))
-        rep.errors += [f"{where}: {msg}" for ok, msg in checks if not ok]
+        rep.errors += [f"{where}: {e}" for e in errors]
     if expected_tokens is not None:
         rep.errors += [f"sample {sid!r}: expected but not exported" for sid in expected_tokens if sid not in seen]
+    return rep
+
+
+def sample_errors(info: Mapping, sid: str, path: str, num_tokens: Optional[int] = None,
+                  expected_tokens: Optional[Sequence[int]] = None, check_values: bool = True):
+    """(what is wrong with one sample file, its token count or -1) against export.json `info`;
+    num_tokens: what the manifest says (None: not listed yet)."""
+    try:
+        t = load_sample(path)
+        meta = sample_metadata(path)
+    except Exception as e:  # a damaged file is a finding, not a crash of the validator
+        return [f"unreadable ({e})"], -1
+    missing = [k for k in REQUIRED_KEYS if k not in t]
+    extra = [k for k in t if k not in REQUIRED_KEYS + OPTIONAL_KEYS]
+    if missing or extra:
+        return [f"missing keys {missing}, unexpected keys {extra}"], -1
+    hidden, k_aux = info["hidden_size"], len(info["aux_layer_ids"])
+    dtype = _DTYPES.get(info["dtype"])
+    tok, aux, fin = t["token_ids"], t["aux_hidden_states"], t["final_hidden_states"]
+    n = tok.shape[0] if tok.dim() == 1 else -1
+    checks = [
+        (tok.dim() == 1 and not tok.is_floating_point(), f"token_ids {tuple(tok.shape)} {tok.dtype}"),
+        (tuple(aux.shape) == (n, k_aux, hidden), f"aux_hidden_states {tuple(aux.shape)} != {(n, k_aux, hidden)}"),
+        (tuple(fin.shape) == (n, hidden), f"final_hidden_states {tuple(fin.shape)} != {(n, hidden)}"),
+        (dtype is None or (aux.dtype == dtype and fin.dtype == dtype), f"dtype {aux.dtype}/{fin.dtype} != {info['dtype']}"),
+        (num_tokens is None or num_tokens == n, f"manifest num_tokens {num_tokens} != {n}"),
+        (meta.get("id") == sid, f"metadata id {meta.get('id')!r}"),
+        (meta.get("aux_layer_ids") == json.dumps(info["aux_layer_ids"]), f"metadata aux_layer_ids {meta.get('aux_layer_ids')}"),
+    ]
+    if "loss_mask" in t:
+        lm = t["loss_mask"]
+        checks.append((lm.dtype == torch.uint8 and tuple(lm.shape) == (n,) and bool(((lm == 0) | (lm == 1)).all()),
+                       f"loss_mask {tuple(lm.shape)} {lm.dtype} must be [T] uint8 of 0/1"))
+    if expected_tokens is not None:
+        checks.append((tok.tolist() == list(expected_tokens), "token_ids differ from the client's tokens"))
+    if check_values:
+        checks.append((bool(torch.isfinite(aux).all() and torch.isfinite(fin).all()), "NaN or Inf in hidden states"))
+    return [msg for ok, msg in checks if not ok], n
+
+
+# --------------------------------------------------------------------------------------
+# Repair: what a crash, a kill or a full disk can leave behind, reconciled
+# --------------------------------------------------------------------------------------
+
+_SHARD = re.compile(r"dp\d+-\d{5}")
+
+
+@dataclasses.dataclass
+class RepairReport:
+    dir: str
+    applied: bool
+    torn_lines: List[str] = dataclasses.field(default_factory=list)  # manifest lines that are not JSON: cut
+    adopted: List[str] = dataclasses.field(default_factory=list)  # valid files never listed: listed now
+    quarantined: List[str] = dataclasses.field(default_factory=list)  # unlisted, invalid: renamed *.corrupt
+    missing: List[str] = dataclasses.field(default_factory=list)  # listed, file gone: line dropped
+    duplicates: List[str] = dataclasses.field(default_factory=list)  # listed twice: one line kept
+    temp_files: List[str] = dataclasses.field(default_factory=list)  # interrupted writes: removed
+
+    @property
+    def changed(self) -> bool:
+        return any((self.torn_lines, self.adopted, self.quarantined, self.missing, self.duplicates, self.temp_files))
+
+    def lines(self) -> List[str]:
+        out = []
+        for what, items in (("torn manifest lines cut", self.torn_lines),
+                            ("unlisted valid samples listed", self.adopted),
+                            ("unlisted invalid files renamed to *.corrupt", self.quarantined),
+                            ("listed samples with no file unlisted (resend them)", self.missing),
+                            ("duplicate manifest lines dropped", self.duplicates),
+                            ("temporary files removed", self.temp_files)):
+            if items:
+                shown = ", ".join(items[:10]) + (f", ... ({len(items)} in all)" if len(items) > 10 else "")
+                out.append(f"{len(items)} {what}: {shown}")
+        if not out:
+            return [f"{self.dir}: nothing to repair"]
+        return out if self.applied else [f"dry run, nothing changed (pass --apply to repair {self.dir}):"] + out
+
+
+def repair_export(out_dir: str, apply: bool = False) -> RepairReport:
+    """Reconcile an export directory after a crash, with no server writing to it.
+
+    A sample exists once its manifest line does: the writer commits the file, then appends
+    the line. A crash in between leaves a valid file nobody lists (it is validated and
+    listed, so a resend of its id is answered "already exported" truthfully); a crash or a
+    full disk mid-append leaves a torn line (cut, and the manifest rewritten atomically);
+    an interrupted write leaves a temporary file (removed). Dry run unless `apply`.
+    """
+    rep = RepairReport(out_dir, apply)
+    path = os.path.join(out_dir, MANIFEST)
+    kept: List[dict] = []
+    listed = set()
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            raw = f.read()
+        for n, line in enumerate(raw.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                e = json.loads(line)
+                ok = isinstance(e, dict) and isinstance(e.get("id"), str) and isinstance(e.get("path"), str)
+            except ValueError:
+                ok = False
+            if not ok:
+                rep.torn_lines.append(f"line {n}")
+            elif e["id"] in listed:
+                rep.duplicates.append(e["id"])
+            elif not os.path.exists(os.path.join(out_dir, e["path"])):
+                rep.missing.append(e["id"])
+            else:
+                listed.add(e["id"])
+                kept.append(e)
+    info = read_export_json(out_dir)
+    shards = sorted(d for d in os.listdir(out_dir) if _SHARD.fullmatch(d)) if os.path.isdir(out_dir) else []
+    for d in shards:
+        for name in sorted(os.listdir(os.path.join(out_dir, d))):
+            rel, full = f"{d}/{name}", os.path.join(out_dir, d, name)
+            if name.startswith(".") and name.endswith(".tmp"):
+                rep.temp_files.append(rel)
+                if apply:
+                    os.unlink(full)
+            elif name.endswith(".safetensors") and name[:-len(".safetensors")] not in listed:
+                sid = name[:-len(".safetensors")]
+                errors, n = sample_errors(info, sid, full) if info else (["no export.json"], -1)
+                if errors:
+                    rep.quarantined.append(f"{rel} ({errors[0]})")
+                    if apply:
+                        os.replace(full, full + ".corrupt")
+                else:
+                    rep.adopted.append(sid)
+                    listed.add(sid)
+                    kept.append({"id": sid, "path": rel, "num_tokens": n})
+    for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
+        if name.startswith(f"{EXPORT_JSON}.") and name.endswith(".tmp"):
+            rep.temp_files.append(name)
+            if apply:
+                os.unlink(os.path.join(out_dir, name))
+    if apply and (rep.torn_lines or rep.adopted or rep.missing or rep.duplicates):
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps({"id": e["id"], "path": e["path"], "num_tokens": e.get("num_tokens")}) + "\n"
+                         for e in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(out_dir)
     return rep
 
 

@@ -13,6 +13,7 @@ from sglang_hs.format import (
     check_sample_id,
     open_manifest,
     read_manifest,
+    repair_export,
     validate_export,
     write_sample_file,
 )
@@ -96,3 +97,81 @@ def test_existing_directory_must_match(tmp_path):
     check_compatible({"model_path": "m", "aux_layer_ids": [1, 2]}, {"model_path": "m"})
     with pytest.raises(ValueError, match="aux_layer_ids"):
         check_compatible({"model_path": "m", "aux_layer_ids": [1, 2]}, {"aux_layer_ids": [1, 3]})
+
+
+# ---- repair: what a crash leaves behind ---------------------------------------------------
+
+
+def crash_leftovers(tmp_path):
+    """A directory as a crash leaves it: s0 and s1 listed; s2 committed but its line never
+    written; a torn last line; an interrupted temporary file; an unlisted file that is not a
+    sample."""
+    d = export_dir(tmp_path, n=3)
+    lines = open(os.path.join(d, "manifest.jsonl")).read().splitlines(keepends=True)
+    with open(os.path.join(d, "manifest.jsonl"), "w") as f:
+        f.writelines(lines[:2])
+        f.write('{"id": "s2", "path": "dp0-0')  # torn: the crash hit mid-append
+    open(os.path.join(d, "dp0-00000", ".s9.safetensors.1a2b3c4d.tmp"), "wb").write(b"half a file")
+    open(os.path.join(d, "dp0-00000", "junk.safetensors"), "wb").write(b"not safetensors")
+    return d
+
+
+def test_repair_dry_run_reports_and_changes_nothing(tmp_path):
+    d = crash_leftovers(tmp_path)
+    before = {p: open(os.path.join(r, p), "rb").read() for r, _, fs in os.walk(d) for p in fs}
+    rep = repair_export(d)
+    assert rep.changed and not rep.applied and rep.adopted == ["s2"] and rep.torn_lines == ["line 3"]
+    assert "dry run" in rep.lines()[0]
+    assert {p: open(os.path.join(r, p), "rb").read() for r, _, fs in os.walk(d) for p in fs} == before
+
+
+def test_repair_lists_committed_samples_cuts_torn_lines_and_cleans_up(tmp_path):
+    d = crash_leftovers(tmp_path)
+    assert not validate_export(d).ok  # the torn line
+    rep = repair_export(d, apply=True)
+    assert rep.adopted == ["s2"] and rep.torn_lines == ["line 3"]
+    assert rep.temp_files == ["dp0-00000/.s9.safetensors.1a2b3c4d.tmp"]
+    assert len(rep.quarantined) == 1 and rep.quarantined[0].startswith("dp0-00000/junk.safetensors")
+    v = validate_export(d)
+    assert v.ok and v.samples == 3, v.errors
+    assert [e["id"] for e in read_manifest(d)] == ["s0", "s1", "s2"]
+    assert os.path.exists(os.path.join(d, "dp0-00000", "junk.safetensors.corrupt"))
+    assert not repair_export(d, apply=True).changed, "a second repair finds nothing"
+
+
+def test_repair_unlists_a_sample_whose_file_is_gone_and_a_duplicate_line(tmp_path):
+    d = export_dir(tmp_path, n=3)
+    os.unlink(os.path.join(d, "dp0-00000", "s1.safetensors"))
+    with open(os.path.join(d, "manifest.jsonl"), "a") as f:
+        f.write(json.dumps(read_manifest(d)[0]) + "\n")
+    rep = repair_export(d, apply=True)
+    assert rep.missing == ["s1"] and rep.duplicates == ["s0"]
+    assert validate_export(d).ok and [e["id"] for e in read_manifest(d)] == ["s0", "s2"]
+
+
+SHORT_WRITE = r"""
+import os, resource, signal, sys
+from sglang_hs.format import append_manifest, open_manifest
+d = sys.argv[1]
+fd = open_manifest(d)
+append_manifest(fd, "a", "dp0-00000/a.safetensors", 3)
+size = os.fstat(fd).st_size
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, resource.RLIM_INFINITY))
+try:
+    append_manifest(fd, "b", "dp0-00000/b.safetensors", 3)  # only 10 bytes fit: a short write
+    print("RETURNED")
+except OSError as e:
+    print("RAISED", e.errno)
+"""
+
+
+def test_a_short_manifest_write_raises_and_leaves_no_torn_line(tmp_path):
+    """A full disk used to leave half a line behind, reported as success, and the next
+    append glued onto it. A real file-size limit (RLIMIT_FSIZE) makes the write short."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", SHORT_WRITE, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.stdout.startswith("RAISED"), r.stdout + r.stderr
+    assert open(tmp_path / "manifest.jsonl").read() == '{"id": "a", "path": "dp0-00000/a.safetensors", "num_tokens": 3}\n'

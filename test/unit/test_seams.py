@@ -35,6 +35,7 @@ EXPECTED_PARAMS = {
         ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"],
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ["self", "obj", "request"],
     "sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments": ["self"],
+    "sglang.srt.managers.scheduler.Scheduler.release_host_resources": ["self"],
     "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler":
         ["cls", "backend_name"],
     "sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add":

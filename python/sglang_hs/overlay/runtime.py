@@ -123,6 +123,19 @@ class ExportRuntime:
                 self._in_progress[id(seg.state)] = seg.state
         self._sweep()
 
+    def drain(self, timeout_s: float) -> None:
+        """Shutdown: write every complete sample still queued, within timeout_s. Requests
+        still mid-prefill are not complete and are not written (their clients resend)."""
+        if self.writer is None:
+            return
+        t0 = time.monotonic()
+        queued = self.writer.queued
+        left = self.writer.close(timeout_s)
+        logger.warning("sglang-hs: %s drained: %d of %d queued samples written in %.1f s%s; %d mid-prefill not written",
+                       self.rank, queued - left, queued, time.monotonic() - t0,
+                       f", {left} NOT written (timeout {timeout_s:.0f} s)" if left else "", len(self._in_progress))
+        self.writer = None
+
     def _maybe_log_stats(self) -> None:
         if time.monotonic() - self._last_log >= self._stats_interval:
             self._last_log = time.monotonic()

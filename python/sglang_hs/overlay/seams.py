@@ -26,7 +26,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sglang_hs.format import check_compatible, read_export_json, write_export_json
+from sglang_hs.format import check_compatible, read_export_json, repair_export, write_export_json
 from sglang_hs.overlay.config import (
     ExportConfig,
     ExportConfigError,
@@ -150,6 +150,10 @@ def _check_startup(server_args, args) -> ExportConfig:
         raise ExportConfigError("--export-hidden-states-dir with --nnodes > 1 is not supported yet: run one "
                                 "server per node (each with its own export directory) behind a router.")
     out_dir = check_out_dir(args.export_hidden_states_dir)
+    # No server writes here yet (schedulers start later): reconcile what a crash left behind.
+    repaired = repair_export(out_dir, apply=True)
+    for line in repaired.lines() if repaired.changed else []:
+        logger.warning("sglang-hs: repaired %s at start-up: %s", out_dir, line)
     ids = None
     if args.export_aux_layer_ids is not None:
         from sglang.srt.configs.model_config import ModelConfig
@@ -218,6 +222,46 @@ def init_attention_backends(result, self):
     _runtime = ExportRuntime(ids, writer, rank=f"dp{ps.attn_dp_rank}-tp{ps.attn_tp_rank}")
     logger.info("sglang-hs: aux capture on %s layers %s (HF convention; %s reads %s), writer rank: %s",
                 arch, list(ids), aux.path, "+".join(sorted(aux.reads)), writer is not None)
+    if writer is not None:
+        _drain_on_signals()
+
+
+# Seconds a scheduler spends writing queued samples when it is told to stop.
+DRAIN_TIMEOUT_S = 20.0
+
+
+def _drain_on_signals() -> None:
+    """A SIGTERM or SIGINT sent to the whole process group (Ctrl-C, `kill -TERM -PGID`,
+    systemd) reaches the schedulers too, which would die with their queued samples: write
+    those first, then die of the signal as before."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_signal(signum, frame):
+        if _runtime is not None:
+            _runtime.drain(DRAIN_TIMEOUT_S)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+
+@seam("sglang.srt.managers.scheduler.Scheduler.release_host_resources", HookType.BEFORE)
+def drain_on_shutdown(self, *args, **kwargs):
+    """Target: Scheduler.release_host_resources (the scheduler's graceful exit, after the
+    HTTP process drained its requests on SIGTERM and sent ShutdownReq).
+
+    Why: the writer's queued samples would die with the process (its threads are daemons
+    so that a stuck disk cannot hold an exit forever): write them first, within a bounded
+    wait, and say how it went. Upstream PR: a plugin shutdown hook. Remove with it.
+    """
+    if _runtime is not None:
+        _runtime.drain(DRAIN_TIMEOUT_S)
+    return None
 
 
 def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):

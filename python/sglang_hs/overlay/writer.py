@@ -47,6 +47,7 @@ class SampleWriter:
         self.notify = notify
         self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
         self._lock = threading.Lock()
+        self._manifest_lock = threading.Lock()
         self._ids = {e["id"] for e in read_manifest(out_dir)}
         self._shard, self._in_shard = self._find_shard()
         self._manifest_fd = open_manifest(out_dir)
@@ -155,7 +156,8 @@ class SampleWriter:
         try:
             size = write_sample_file(path, tensors, meta)
             try:
-                append_manifest(self._manifest_fd, st.rid, rel, st.prompt_len)
+                with self._manifest_lock:  # one line at a time (append_manifest cuts a torn one)
+                    append_manifest(self._manifest_fd, st.rid, rel, st.prompt_len)
             except BaseException:
                 os.unlink(path)  # not in the manifest: not a sample
                 raise
@@ -171,13 +173,25 @@ class SampleWriter:
             self.stats["failed"] += 1
         self.notify(st.outcome(error=error, status=status))
 
+    @property
+    def queued(self) -> int:
+        """Samples submitted and not yet written or failed."""
+        return self._q.unfinished_tasks
+
     def flush(self) -> None:
         self._q.join()
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout_s: Optional[float] = None) -> int:
+        """Write what is queued (waiting at most timeout_s), stop the threads, close the
+        manifest; return how many queued samples were left unwritten."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.queued and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+        left = self.queued
         for _ in self._threads:
             self._q.put(None)
         for t in self._threads:
-            t.join()
-        os.close(self._manifest_fd)
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not any(t.is_alive() for t in self._threads):
+            os.close(self._manifest_fd)
+        return left

@@ -44,6 +44,9 @@ def main(argv=None) -> None:
     i = sub.add_parser("inspect", help="summary of an export directory")
     i.add_argument("dir")
     i.add_argument("--json", action="store_true")
+    r = sub.add_parser("repair", help="reconcile an export directory after a crash (dry run unless --apply)")
+    r.add_argument("dir")
+    r.add_argument("--apply", action="store_true", help="change the directory (no server may be writing to it)")
     k = sub.add_parser("convert", help="write a trainer's layout")
     k.add_argument("dir")
     k.add_argument("--to", choices=["specforge", "speculators"], required=True)
@@ -94,6 +97,11 @@ def main(argv=None) -> None:
                 print(f"  {k_:>12} tokens: {v}")
             if r["failed_ids"]:
                 print(f"  failed in capture: {len(r['failed_ids'])}: {', '.join(r['failed_ids'][:20])}")
+        return
+    if a.cmd == "repair":
+        from sglang_hs.format import repair_export
+
+        print("\n".join(repair_export(a.dir, apply=a.apply).lines()))
         return
     if a.cmd == "convert":
         from sglang_hs.tools import convert

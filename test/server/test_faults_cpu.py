@@ -1,0 +1,120 @@
+"""Fault matrix on real servers: the server killed -9 mid-run, stopped with SIGTERM mid-run,
+and what a crash between a file's commit and its manifest line leaves behind. Each ends with
+the directory valid and every sample present exactly once after a restart and a resend."""
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from harness.fixtures import prompts
+from sglang_hs.format import read_manifest, validate_export
+from sglang_hs.tools.serve import LocalServer
+
+pytestmark = pytest.mark.server
+
+N = 40
+IDS = {f"f-{i:03d}": p for i, p in enumerate(prompts(11, [200 + 37 * (i % 13) for i in range(N)]))}
+
+
+def args(model, out):
+    return ["--model-path", model, "--export-hidden-states-dir", out, "--chunked-prefill-size", "64",
+            "--skip-server-warmup", "--log-level", "info"]
+
+
+def send(url, rid):
+    try:
+        return requests.post(url + "/generate", json={"rid": rid, "input_ids": IDS[rid],
+                                                       "sampling_params": {"max_new_tokens": 1}}, timeout=300).status_code
+    except requests.RequestException:
+        return None  # the server went away mid-request
+
+
+def run_and_stop(model, out, log, sig, after_listed):
+    """Send every sample 4 at a time; once `after_listed` are in the manifest, send `sig` to
+    the server's whole process group. Returns the status each rid got."""
+    srv = LocalServer(args(model, out), log).__enter__()
+    codes = {}
+    with cf.ThreadPoolExecutor(4) as ex:
+        futs = {ex.submit(send, srv.url, rid): rid for rid in IDS}
+        t0 = time.time()
+        while len(read_manifest(out)) < after_listed and time.time() - t0 < 300:
+            time.sleep(0.05)
+        os.killpg(srv.proc.pid, sig)
+        for f in cf.as_completed(futs):
+            codes[futs[f]] = f.result()
+    try:
+        srv.proc.wait(60)
+    finally:
+        srv.__exit__(None, None, None)
+    return codes
+
+
+def resume(model, out, log):
+    """Restart on the same directory and resend every rid that is not listed."""
+    with LocalServer(args(model, out), log) as srv:
+        listed = {e["id"] for e in read_manifest(out)}
+        codes = {rid: send(srv.url, rid) for rid in IDS if rid not in listed}
+    return codes
+
+
+def assert_complete(out):
+    rep = validate_export(out, expected_tokens=IDS)
+    ids = [e["id"] for e in read_manifest(out)]
+    assert rep.ok, rep.errors
+    assert sorted(ids) == sorted(IDS) and len(ids) == len(set(ids)), "missing or duplicated samples"
+
+
+def test_kill_9_mid_run_then_restart_and_resend_loses_nothing(tiny_path, tmp_path):
+    out = str(tmp_path / "export")
+    codes = run_and_stop(tiny_path, out, str(tmp_path / "a.log"), signal.SIGKILL, after_listed=8)
+    answered = {rid for rid, c in codes.items() if c == 200}
+    assert 8 <= len(answered) < N, "the kill came too late to test anything"
+    assert answered <= {e["id"] for e in read_manifest(out)}, "a 200 was answered for a sample not listed"
+    again = resume(tiny_path, out, str(tmp_path / "b.log"))
+    assert set(again.values()) <= {200, 409}, again
+    assert_complete(out)
+
+
+def test_sigterm_mid_run_writes_queued_samples_and_exits(tiny_path, tmp_path):
+    out = str(tmp_path / "export")
+    log = str(tmp_path / "a.log")
+    codes = run_and_stop(tiny_path, out, log, signal.SIGTERM, after_listed=8)
+    text = open(log).read()
+    assert "drained:" in text, text[-3000:]
+    assert not [line for line in text.splitlines() if "NOT written" in line]
+    assert {rid for rid, c in codes.items() if c == 200} <= {e["id"] for e in read_manifest(out)}
+    assert validate_export(out).ok
+    resume(tiny_path, out, str(tmp_path / "b.log"))
+    assert_complete(out)
+
+
+def test_a_file_committed_but_never_listed_is_listed_at_start_up(tiny_path, tmp_path):
+    """A crash between a file's commit and its manifest line used to leave the file outside
+    the manifest for good: the resend was answered 409 "already exported", the client counted
+    it as done, and the sample was never listed. Start-up now lists it (after validating it),
+    cuts the torn line and removes interrupted temporary files."""
+    out = str(tmp_path / "export")
+    with LocalServer(args(tiny_path, out), str(tmp_path / "a.log")) as srv:
+        for rid in list(IDS)[:3]:
+            assert send(srv.url, rid) == 200
+    manifest = os.path.join(out, "manifest.jsonl")
+    lines = open(manifest).read().splitlines(keepends=True)
+    with open(manifest, "w") as f:  # the crash: the third line never made it, but half of it did
+        f.writelines(lines[:2])
+        f.write(lines[2][:17])
+    shard = os.path.dirname(os.path.join(out, read_manifest(out)[0]["path"]))
+    open(os.path.join(shard, ".f-009.safetensors.0badc0de.tmp"), "wb").write(b"interrupted")
+    log = str(tmp_path / "b.log")
+    with LocalServer(args(tiny_path, out), log) as srv:
+        assert {e["id"] for e in read_manifest(out)} == set(list(IDS)[:3])
+        assert send(srv.url, list(IDS)[2]) == 409
+        for rid in list(IDS)[3:]:
+            assert send(srv.url, rid) == 200
+    text = open(log).read()
+    assert "1 unlisted valid samples listed: f-002" in text and "1 torn manifest lines cut" in text
+    assert "1 temporary files removed" in text
+    assert_complete(out)
