@@ -80,3 +80,43 @@ def test_an_id_prefix_the_server_would_refuse_stops_the_run_before_it_starts(tmp
                         id_prefix="_run")
     with pytest.raises(SampleIdError, match="--id-prefix '_run'"):
         capture(cfg)
+
+
+def test_a_malformed_jsonl_line_fails_that_record_only(tmp_path):
+    """One line that is not JSON used to abort the whole run before anything was sent; it is
+    now that record's failure, and the records around it are sent."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sglang_hs.tools.capture import FAILED, CaptureConfig, _capture
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + '{"input_ids": [1, 2\n'
+                    + json.dumps({"input_ids": [4, 5, 6]}) + "\n")
+    sent = []
+
+    async def generate(request):
+        body = await request.json()
+        sent.append(body["input_ids"])
+        return web.json_response({"meta_info": {"hidden_states_export": {
+            "dir": "d", "path": f"p/{body['rid']}", "num_tokens": 3, "bytes": 10}}})
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            cfg = CaptureConfig(servers=[f"http://127.0.0.1:{runner.addresses[0][1]}"], data=str(data),
+                                out=str(tmp_path / "out"), progress=False)
+            return await _capture(cfg, tok=None)
+        finally:
+            await runner.cleanup()
+
+    s = asyncio.run(main())
+    assert (s.total, s.exported, s.failed) == (3, 2, 1)
+    assert sorted(sent) == [[1, 2, 3], [4, 5, 6]]
+    failed = [json.loads(x) for x in (tmp_path / "out" / FAILED).read_text().splitlines()]
+    assert len(failed) == 1 and "data.jsonl:2: not JSON" in failed[0]["error"]

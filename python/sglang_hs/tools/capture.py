@@ -209,9 +209,12 @@ async def _capture(cfg: CaptureConfig, tok) -> Summary:
         if cfg.limit is not None and i >= cfg.limit:
             break
         summ.total += 1
-        sid = sample_id(cfg.id_prefix, i, rec)
+        sid = sample_id(cfg.id_prefix, i, rec if isinstance(rec, dict) else {"not_json": str(rec)})
         if sid in done:
             summ.skipped_done += 1
+            continue
+        if isinstance(rec, RecordError):
+            record_failure(sid, f"bad record: {rec}")
             continue
         try:
             samples.append(to_sample(tok, rec, sid, cfg.last_turn_only, cfg.mask_reasoning))

@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Union
 
 from sglang_hs.tools.masks import chat_ids_and_mask
 
@@ -36,8 +36,9 @@ class Sample:
     messages: Optional[List[dict]] = None  # kept for --regenerate
 
 
-def iter_records(path: str) -> Iterator[dict]:
-    """JSONL file, or a folder written by `datasets.Dataset.save_to_disk`."""
+def iter_records(path: str) -> Iterator[Union[dict, RecordError]]:
+    """JSONL file, or a folder written by `datasets.Dataset.save_to_disk`. A line that is not
+    JSON comes as a RecordError in its place, so one bad line fails one record, not the run."""
     if os.path.isdir(path):
         from datasets import load_from_disk
 
@@ -52,7 +53,7 @@ def iter_records(path: str) -> Iterator[dict]:
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise RecordError(f"{path}:{n}: not JSON ({e})") from None
+                    yield RecordError(f"{path}:{n}: not JSON ({e})")
 
 
 def to_messages(rec: dict) -> Optional[List[dict]]:
