@@ -101,3 +101,17 @@ def test_a_message_that_cannot_be_delivered_does_not_stop_the_receiver(addr, tmp
         return await w.wait("s2", "t")
 
     assert run(main()).ok
+
+
+def test_the_socket_file_is_removed_when_the_http_process_exits(tmp_path):
+    """The ipc:// socket file used to stay in the temp folder after every server run."""
+    import subprocess
+    import sys
+
+    sock = tmp_path / "notify"
+    code = ("import asyncio\nfrom sglang_hs.overlay.notify import ExportWaiter\n"
+            f"async def main():\n    ExportWaiter('ipc://{sock}', '{tmp_path}', 5)\n"
+            "asyncio.run(main())\nimport os\nprint('BOUND', os.path.exists(" + repr(str(sock)) + "))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "BOUND True" in r.stdout, r.stdout + r.stderr
+    assert not sock.exists()

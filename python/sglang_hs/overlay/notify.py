@@ -7,8 +7,10 @@ waits for one `protocol.Outcome` per exported request on a ZeroMQ PUSH/PULL pipe
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import logging
+import os
 import threading
 from typing import Dict, Iterable, Optional, Set, Tuple
 
@@ -60,6 +62,8 @@ class ExportWaiter:
         self._events: Dict[Key, asyncio.Event] = {}
         self._sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._sock.bind(addr)
+        if addr.startswith("ipc://"):  # the socket is a file; leave none behind
+            atexit.register(_remove, addr[len("ipc://"):])
         self._task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     async def _recv_loop(self) -> None:
@@ -112,6 +116,13 @@ class ExportWaiter:
             finally:
                 self._events.pop(key, None)
         return self._results.pop(key)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _cap(d: "collections.OrderedDict", n: int) -> None:
