@@ -150,10 +150,6 @@ def _check_startup(server_args, args) -> ExportConfig:
         raise ExportConfigError("--export-hidden-states-dir with --nnodes > 1 is not supported yet: run one "
                                 "server per node (each with its own export directory) behind a router.")
     out_dir = check_out_dir(args.export_hidden_states_dir)
-    # No server writes here yet (schedulers start later): reconcile what a crash left behind.
-    repaired = repair_export(out_dir, apply=True)
-    for line in repaired.lines() if repaired.changed else []:
-        logger.warning("sglang-hs: repaired %s at start-up: %s", out_dir, line)
     ids = None
     if args.export_aux_layer_ids is not None:
         from sglang.srt.configs.model_config import ModelConfig
@@ -171,6 +167,11 @@ def _check_startup(server_args, args) -> ExportConfig:
             raise ExportConfigError(f"{out_dir}: {e}") from None
     if args.export_host_buffer_gib <= 0 or args.export_writer_threads < 1:
         raise ExportConfigError("--export-host-buffer-gib must be > 0 and --export-writer-threads >= 1.")
+    # Every check passed and no server writes here yet (schedulers start later): reconcile what
+    # a crash left behind, so a start-up that is refused changes nothing.
+    repaired = repair_export(out_dir, apply=True)
+    for line in repaired.lines() if repaired.changed else []:
+        logger.warning("sglang-hs: repaired %s at start-up: %s", out_dir, line)
     return ExportConfig(
         out_dir=out_dir,
         aux_layer_ids=ids,
