@@ -21,7 +21,7 @@ class Admission:
     call_id: str
     rids: List[str]  # exported rids, in the call's order
     # Exported rids whose outcome this call has not taken (yet); dropped when the call ends.
-    unclaimed: Set[str] = dataclasses.field(default_factory=set)
+    unclaimed: Set[str] = dataclasses.field(init=False)
 
     def __post_init__(self):
         self.unclaimed = set(self.rids)
