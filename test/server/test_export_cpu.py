@@ -2,6 +2,7 @@
 Hugging Face transformers (sglang_hs.tools.verify runs the HF forward, independent of SGLang)."""
 
 import concurrent.futures as cf
+import errno
 import os
 import random
 import subprocess
@@ -10,6 +11,7 @@ import time
 
 import pytest
 import requests
+from hypothesis import HealthCheck, given, settings, strategies as st
 import torch
 
 from harness.fixtures import prompts
@@ -200,6 +202,48 @@ def test_health_checks_are_answered_and_never_exported(tiny_server):
     assert [e["id"] for e in read_manifest(srv.export_dir)] == before
 
 
+_RIDS = st.one_of(
+    st.none(), st.integers(), st.booleans(), st.text(max_size=12), st.lists(st.text(max_size=4), max_size=3),
+    st.sampled_from(["../up", "a/b", ".hidden", "x.tmp", "", "a" * 201, "_x", "-x", "a\x00b", "fz-ok"]))
+_IDS = st.one_of(
+    st.lists(st.integers(0, 49151), min_size=1, max_size=40),
+    st.lists(st.integers(-3, 10**7), min_size=1, max_size=4),
+    st.just([]), st.text(max_size=8), st.none(),
+    st.lists(st.lists(st.integers(0, 500), min_size=1, max_size=5), min_size=1, max_size=3))
+_OPTIONS = st.one_of(
+    st.none(), st.text(max_size=5), st.lists(st.integers(), max_size=2),
+    st.fixed_dictionaries({}, optional={
+        "export": st.one_of(st.booleans(), st.sampled_from(["false", "true", 0, 1, None])),
+        "loss_mask": st.one_of(st.none(), st.text(max_size=4), st.lists(st.integers(-1, 2), max_size=42),
+                               st.lists(st.sampled_from([0.0, 1.0, True]), max_size=4)),
+        "metadata": st.one_of(st.none(), st.text(max_size=4), st.lists(st.integers(), max_size=2),
+                              st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+                              st.just({"big": "x" * 20000})),
+        "call_id": st.text(max_size=6),
+        "unknown": st.integers()}))
+
+
+@given(rid=_RIDS, ids=_IDS, options=_OPTIONS, custom_params_is_a_dict=st.booleans())
+@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def test_hostile_request_shapes_get_a_clear_answer_and_the_server_keeps_serving(
+        tiny_server, rid, ids, options, custom_params_is_a_dict):
+    srv = tiny_server
+    sp = {"max_new_tokens": 1, "custom_params": {"sglang_hs": options} if custom_params_is_a_dict else options}
+    body = {"input_ids": ids, "sampling_params": sp}
+    if rid is not None:
+        body["rid"] = rid
+    r = srv.generate(body, timeout=120)
+    assert r.status_code < 500, (body, r.status_code, r.text[:500])
+    assert requests.get(srv.url + "/health", timeout=30).status_code == 200
+    if r.status_code == 200 and isinstance(rid, str) and isinstance(ids, list) and ids and isinstance(ids[0], int):
+        info = r.json()["meta_info"].get("hidden_states_export")
+        exporting = not (isinstance(options, dict) and options.get("export") is False)
+        assert (info is not None) == exporting, r.json()["meta_info"]
+        if info is not None:
+            assert sample(srv.export_dir, rid)["token_ids"].tolist() == ids
+
+
 def test_the_whole_directory_validates(tiny_server):
     rep = validate_export(tiny_server.export_dir)
     assert rep.ok, rep.errors
@@ -230,24 +274,63 @@ def test_second_chunk_size_matches_hf(full_disk_server):
     assert_exact_vs_hf(srv.export_dir)
 
 
-def test_full_disk_fails_that_request_and_the_server_keeps_serving(full_disk_server):
+def fill(path):
+    """Write zeros to `path` until the file system says it is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
+def assert_listed_once_and_valid(out_dir, expected):
+    ids = [e["id"] for e in read_manifest(out_dir)]
+    assert len(ids) == len(set(ids)), "a sample is listed twice"
+    assert set(expected) <= set(ids), f"missing {set(expected) - set(ids)}"
+    rep = validate_export(out_dir, expected_tokens=expected)
+    assert rep.ok, rep.errors
+
+
+def test_full_disk_fails_those_requests_the_server_keeps_serving_and_a_resend_completes(full_disk_server):
     srv = full_disk_server
-    # 512 bytes per token (3 aux + final, hidden 64, bf16): 1 MiB holds about 2,000 tokens.
-    big = prompts(31, [1500] * 3)
-    codes = [export(srv, f"big-{i}", ids) for i, ids in enumerate(big)]
-    failed = [r for r in codes if r.status_code != 200]
-    assert failed, "the disk never filled"
-    assert failed[0].status_code == 507 and "No space left" in failed[0].text
-    ok_ids = {f"big-{i}" for i, r in enumerate(codes) if r.status_code == 200}
-    assert {e["id"] for e in read_manifest(srv.export_dir)} >= ok_ids
-    # No partial or temporary files of the failed samples.
-    assert not any(f.endswith(".tmp") for _, _, fs in os.walk(srv.export_dir) for f in fs)
-    # Free space; the same server exports again.
-    for e in read_manifest(srv.export_dir):
-        if e["id"].startswith("big-"):
-            os.remove(os.path.join(srv.export_dir, e["path"]))
-    r = export(srv, "after-full", [5, 6, 7])
-    assert r.status_code == 200, r.text
+    filler = os.path.join(os.path.dirname(srv.export_dir), "filler")
+    fill(filler)
+    batch = {f"full-{i}": ids for i, ids in enumerate(prompts(31, [200, 300, 400]))}
+    try:
+        codes = {rid: export(srv, rid, ids) for rid, ids in batch.items()}
+        assert {r.status_code for r in codes.values()} == {507}, {k: r.text for k, r in codes.items()}
+        assert "No space left" in codes["full-0"].text and "resend" in codes["full-0"].text
+        assert requests.get(srv.url + "/health", timeout=30).status_code == 200
+        # No partial or temporary files of the failed samples.
+        assert not any(f.endswith(".tmp") for _, _, fs in os.walk(srv.export_dir) for f in fs)
+        assert validate_export(srv.export_dir).ok
+    finally:
+        os.remove(filler)  # space freed: the same server exports the resends
+    for rid, ids in batch.items():
+        assert export(srv, rid, ids).status_code == 200
+    assert_listed_once_and_valid(srv.export_dir, batch)
+
+
+def test_a_directory_that_turns_read_only_fails_those_requests_until_it_is_writable_again(full_disk_server):
+    srv = full_disk_server
+    d = srv.export_dir
+    # A read-only bind mount over the directory: new files fail with EROFS (as an NFS share
+    # gone read-only would), while files the server already holds open stay as they are.
+    subprocess.run(["mount", "--bind", d, d], check=True)
+    batch = {f"ro-{i}": ids for i, ids in enumerate(prompts(32, [50, 90]))}
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", d], check=True)
+        for rid, ids in batch.items():
+            r = export(srv, rid, ids)
+            assert r.status_code == 500 and "Read-only file system" in r.text, r.text
+        assert requests.get(srv.url + "/health", timeout=30).status_code == 200
+    finally:
+        subprocess.run(["umount", d], check=True)
+    for rid, ids in batch.items():
+        assert export(srv, rid, ids).status_code == 200
+    assert_listed_once_and_valid(d, batch)
 
 
 def test_smollm2_bf16_rows_match_hf(smollm2_path, tmp_path):

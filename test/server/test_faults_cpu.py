@@ -1,10 +1,14 @@
-"""Fault matrix on real servers: the server killed -9 mid-run, stopped with SIGTERM mid-run,
-and what a crash between a file's commit and its manifest line leaves behind. Each ends with
+"""Fault matrix on real servers: the server killed -9 mid-capture and restarted under a
+waiting client, stopped with SIGTERM mid-run, and what a crash between a file's commit and
+its manifest line leaves behind. Each ends with
 the directory valid and every sample present exactly once after a restart and a resend."""
 
 import concurrent.futures as cf
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,6 +16,8 @@ import requests
 
 from harness.fixtures import prompts
 from sglang_hs.format import read_manifest, validate_export
+from sglang_hs.tools.capture import load_done
+from sglang_hs.tools.records import sample_id
 from sglang_hs.tools.serve import LocalServer
 
 pytestmark = pytest.mark.server
@@ -68,19 +74,42 @@ def assert_complete(out):
     assert sorted(ids) == sorted(IDS) and len(ids) == len(set(ids)), "missing or duplicated samples"
 
 
-def test_kill_9_mid_run_then_restart_and_resend_loses_nothing(tiny_path, tmp_path):
-    out = str(tmp_path / "export")
-    codes = run_and_stop(tiny_path, out, str(tmp_path / "a.log"), signal.SIGKILL, after_listed=8)
-    # A response leaves after its manifest line, so fewer than `after_listed` may have been
-    # answered when the kill lands; what must hold is that the kill came mid-run and that no
-    # 200 was answered for a sample that is not listed.
-    listed = {e["id"] for e in read_manifest(out)}
-    answered = {rid for rid, c in codes.items() if c == 200}
-    assert 8 <= len(listed) < N, "the kill came too late to test anything"
-    assert answered <= listed, "a 200 was answered for a sample not listed"
-    again = resume(tiny_path, out, str(tmp_path / "b.log"))
-    assert set(again.values()) <= {200, 409}, again
-    assert_complete(out)
+def test_server_killed_mid_capture_is_waited_for_and_the_capture_finishes_after_a_restart(tiny_path, tmp_path):
+    """kill -9 of the whole server mid-capture, then a restart on the same port and directory:
+    the capture client, left running, waits for it, resends what was lost, and ends with every
+    sample listed once (it used to fail every remaining sample within seconds)."""
+    out, journal_dir = str(tmp_path / "export"), str(tmp_path / "capture")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in IDS.values()))
+    expected = {sample_id("", i, {"input_ids": ids}): ids for i, ids in enumerate(IDS.values())}
+    srv = LocalServer(args(tiny_path, out), str(tmp_path / "a.log")).__enter__()
+    client = subprocess.Popen([sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--server", srv.url,
+                               "--data", str(data), "--out", journal_dir, "--tokenizer", tiny_path,
+                               "--concurrency", "4", "--server-wait", "400", "--no-progress"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t0 = time.time()
+        while len(read_manifest(out)) < 8 and time.time() - t0 < 300:
+            time.sleep(0.05)
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(60)
+        srv.__exit__(None, None, None)
+        listed = {e["id"] for e in read_manifest(out)}
+        assert 8 <= len(listed) < N, "the kill came too late to test anything"
+        # A sample the client counts as exported was answered 200, which leaves after its
+        # manifest line.
+        assert set(load_done(journal_dir)) <= listed, "a 200 was answered for a sample not listed"
+        assert client.poll() is None, "the client gave up while the server was down"
+        with LocalServer(args(tiny_path, out), str(tmp_path / "b.log"), port=srv.port):
+            text = client.communicate(timeout=600)[0]
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert client.returncode == 0 and f"0 failed of {N}" in text, text
+    rep = validate_export(out, expected_tokens=expected)
+    ids = [e["id"] for e in read_manifest(out)]
+    assert rep.ok, rep.errors
+    assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids)), "missing or duplicated samples"
 
 
 def test_sigterm_mid_run_writes_queued_samples_and_exits(tiny_path, tmp_path):

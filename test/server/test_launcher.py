@@ -28,10 +28,15 @@ def test_bad_settings_fail_fast_with_a_message_that_says_what_to_do(tiny_path, t
     other = tmp_path / "other-model-export"
     other.mkdir()
     (other / "export.json").write_text(json.dumps({"model_path": "/models/something-else"}))
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    # root writes through file modes, so an unwritable directory has to be a read-only mount.
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)]).returncode == 0
     base = ["--model-path", tiny_path, "--device", "cpu", "--attention-backend", "torch_native"]
     ok_dir = str(tmp_path / "ok")
     cases = [
         (base + ["--export-hidden-states-dir", str(blocker / "sub")], "cannot create or write"),
+        (base + ["--export-hidden-states-dir", str(read_only / "hs")], "Read-only file system"),
         (base + ["--export-hidden-states-dir", ok_dir, "--export-aux-layer-ids", "0", "4"], "out of range"),
         (base + ["--export-hidden-states-dir", ok_dir, "--export-aux-layer-ids", "2", "8"], "in [1, 7]"),
         (base + ["--export-hidden-states-dir", ok_dir, "--export-aux-layer-ids", "4", "2"], "strictly increasing"),
@@ -43,8 +48,14 @@ def test_bad_settings_fail_fast_with_a_message_that_says_what_to_do(tiny_path, t
         (base + ["--export-hidden-states-dir", ok_dir, "--export-aux-layer-ids", "1", "4", "7"], None),
         (base, None),
     ]
-    r = subprocess.run([sys.executable, os.path.join(HERE, "launcher_probe.py"), json.dumps([c for c, _ in cases])],
-                       env=cpu_env(), capture_output=True, text=True, timeout=600)
+    try:
+        r = subprocess.run([sys.executable, os.path.join(HERE, "launcher_probe.py"),
+                            json.dumps([c for c, _ in cases])], env=cpu_env(), capture_output=True, text=True,
+                           timeout=600)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(read_only)])
+    assert mounted, "could not mount a read-only tmpfs (the unwritable-directory case needs one)"
     line = [x for x in r.stdout.splitlines() if x.startswith("PROBE_JSON ")]
     assert line, r.stdout[-2000:] + r.stderr[-4000:]
     results = json.loads(line[0][len("PROBE_JSON "):])

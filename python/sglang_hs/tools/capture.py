@@ -3,20 +3,25 @@
 Resumable at any point: every sample the server reports durable is appended to
 OUT/capture.jsonl (one line, flushed); a rerun skips those ids, and a sample the server made
 durable just before a kill comes back as 409 "already exported", which also counts as done.
-So a kill and a resume end with no sample missing and none duplicated.
+Each sample always goes to the same server (chosen from its id), so a resent sample meets its
+earlier copy there (423 while in flight, 409 once durable) and is never exported twice. A
+server that goes away is waited for (`server_wait_s`), not given up on; one that stays away
+stops the run, and a rerun picks up where it stopped. Records are read and tokenised as they
+are sent, so memory does not grow with the dataset.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import os
 import random
 import signal
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import aiohttp
 
@@ -26,6 +31,8 @@ from sglang_hs.tools.records import RecordError, Sample, iter_records, sample_id
 
 JOURNAL = "capture.jsonl"
 FAILED = "capture_failed.jsonl"
+# The server list a run started with: which server a sample goes to depends on it.
+SERVERS = "capture_servers.json"
 # 423: the same sample id is still in flight on the server (e.g. sent by a run that was just
 # killed); it is freed once that request finishes or is aborted.
 TRANSIENT = {423, 500, 502, 503, 504}
@@ -50,6 +57,11 @@ class CaptureConfig:
     id_prefix: str = ""
     limit: Optional[int] = None
     progress: bool = True
+    # How long a server that stopped answering (killed, restarting) is waited for before the
+    # run stops; a rerun resumes.
+    server_wait_s: float = 600.0
+    # Accept a server list that differs from the one this OUT was started with.
+    allow_new_servers: bool = False
 
 
 @dataclasses.dataclass
@@ -63,11 +75,14 @@ class Summary:
     bytes: int = 0
     seconds: float = 0.0
     interrupted: bool = False
+    # Why the run stopped early, when it did (Ctrl-C, a server that did not come back).
+    stopped_because: str = ""
 
     def line(self) -> str:
         return (f"{self.exported} exported, {self.already_exported} already there, {self.skipped_done} skipped "
                 f"(done before), {self.failed} failed of {self.total}; {self.tokens} tokens, "
-                f"{human_bytes(self.bytes)}, {self.seconds:.1f} s" + ("; interrupted" if self.interrupted else ""))
+                f"{human_bytes(self.bytes)}, {self.seconds:.1f} s"
+                + (f"; interrupted ({self.stopped_because}): rerun to resume" if self.interrupted else ""))
 
 
 def load_done(out: str) -> Dict[str, dict]:
@@ -84,42 +99,88 @@ def load_done(out: str) -> Dict[str, dict]:
     return done
 
 
-class _Router:
-    """Least-outstanding-requests over the servers (one URL may be an sglang-router)."""
-
-    def __init__(self, urls: List[str]):
-        self.load = {u.rstrip("/"): 0 for u in urls}
-
-    def acquire(self) -> str:
-        url = min(self.load, key=self.load.get)
-        self.load[url] += 1
-        return url
-
-    def release(self, url: str) -> None:
-        self.load[url] -= 1
+class ServerGone(Exception):
+    """A server stopped answering and did not come back within server_wait_s."""
 
 
-async def _post(session, router, path, body, retries) -> tuple:
-    """(status, json) with retries and backoff for transient failures."""
+class ServersChangedError(ValueError):
+    pass
+
+
+def server_for(sample_id: str, servers: List[str]) -> str:
+    """The server a sample always goes to: a stable hash of its id, not the current load, so a
+    sample resent after a kill reaches the server that may still hold (or already wrote) it."""
+    h = int.from_bytes(hashlib.sha1(sample_id.encode()).digest()[:8], "big")
+    return servers[h % len(servers)]
+
+
+def check_servers(out: str, servers: List[str], allow_new: bool) -> None:
+    """Record the server list on the first run; refuse a different one on a rerun, since the
+    samples in flight when the last run stopped would then be sent to another server too."""
+    path = os.path.join(out, SERVERS)
+    if os.path.exists(path):
+        with open(path) as f:
+            before = json.load(f)["servers"]
+        if before == servers or allow_new:
+            if before != servers:
+                sys.stderr.write(f"[capture] server list changed from {before}: samples that were in flight "
+                                 "when the last run stopped may be exported twice\n")
+            else:
+                return
+        else:
+            raise ServersChangedError(
+                f"{out} was captured with --server {' --server '.join(before)}; this run names {servers}. "
+                "A sample goes to the server its id hashes to, so rerun with the same list in the same order. "
+                "To change it anyway, pass --allow-new-servers (samples in flight when the last run stopped "
+                "may then be exported twice).")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"servers": servers}, f)
+    os.replace(tmp, path)
+
+
+# Connection-level failures: the server is not there (killed, restarting), as opposed to a
+# server that answered or timed out on this request.
+_GONE = (aiohttp.ClientConnectionError,)
+
+
+async def _wait_until_up(session, url: str, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 200:
+                    return True
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        await asyncio.sleep(2.0)
+    return False
+
+
+async def _post(session, url, path, body, cfg: "CaptureConfig") -> tuple:
+    """(status, json) with retries and backoff for transient answers. A server that went away
+    is waited for and the request resent to it; ServerGone if it does not come back."""
     delay = 0.5
-    for attempt in range(retries + 1):
-        url = router.acquire()
+    for attempt in range(cfg.retries + 1):
         try:
             async with session.post(url + path, json=body) as r:
                 status, data = r.status, await r.json(content_type=None)
+        except _GONE as e:
+            status, data = None, {"error": {"message": f"{type(e).__name__}: {e}"}}
+            if attempt < cfg.retries and not await _wait_until_up(session, url, cfg.server_wait_s):
+                raise ServerGone(f"{url} stopped answering and was not back within {cfg.server_wait_s:.0f} s")
+            continue
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             status, data = None, {"error": {"message": f"{type(e).__name__}: {e}"}}
-        finally:
-            router.release(url)
         if status is not None and status not in TRANSIENT:
             return status, data
-        if attempt < retries:
+        if attempt < cfg.retries:
             await asyncio.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 30)
     return status, data
 
 
-async def _regenerate(session, router, cfg: CaptureConfig, tok, s: Sample) -> Sample:
+async def _regenerate(session, url, cfg: CaptureConfig, tok, s: Sample) -> Sample:
     """Let the target model write every assistant turn, then export the whole conversation."""
     from sglang_hs.tools.masks import chat_ids_and_mask
 
@@ -130,10 +191,10 @@ async def _regenerate(session, router, cfg: CaptureConfig, tok, s: Sample) -> Sa
             continue
         prompt = list(tok.apply_chat_template(out, tokenize=True, add_generation_prompt=True,
                                               return_dict=True)["input_ids"])
-        status, data = await _post(session, router, "/generate", {
+        status, data = await _post(session, url, "/generate", {
             "input_ids": prompt,
             "sampling_params": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-                                "custom_params": {"sglang_hs": {"export": False}}}}, cfg.retries)
+                                "custom_params": {"sglang_hs": {"export": False}}}}, cfg)
         if status != 200:
             raise RecordError(f"regeneration failed: HTTP {status}: {_msg(data)}")
         text = data.get("text")
@@ -150,64 +211,11 @@ def _msg(data) -> str:
     return str(data)[:500]
 
 
-async def _capture(cfg: CaptureConfig, tok) -> Summary:
-    os.makedirs(cfg.out, exist_ok=True)
-    done = load_done(cfg.out)
-    summ = Summary()
-    journal = open(os.path.join(cfg.out, JOURNAL), "a")
-    failed_log = open(os.path.join(cfg.out, FAILED), "a")
-    router = _Router(cfg.servers)
-    sem = asyncio.Semaphore(cfg.concurrency)
-    t0 = time.perf_counter()
-    stop = asyncio.Event()
-
-    def record_failure(sid, why):
-        summ.failed += 1
-        failed_log.write(json.dumps({"id": sid, "error": why, "time": time.time()}) + "\n")
-        failed_log.flush()
-
-    async def one(session, s: Sample):
-        async with sem:
-            if stop.is_set():
-                return
-            try:
-                if cfg.regenerate and s.messages:
-                    s = await _regenerate(session, router, cfg, tok, s)
-                ids, mask = truncate(s.input_ids, s.loss_mask, cfg.max_length)
-                if mask is not None and not any(mask):
-                    raise RecordError("no assistant token left after truncation")
-                opts = {"metadata": {"source": os.path.basename(cfg.data)}}
-                if mask is not None:
-                    opts["loss_mask"] = mask
-                status, data = await _post(session, router, "/generate", {
-                    "rid": s.id, "input_ids": ids,
-                    "sampling_params": {"max_new_tokens": 1, "custom_params": {"sglang_hs": opts}}}, cfg.retries)
-            except RecordError as e:
-                return record_failure(s.id, str(e))
-            except Exception as e:  # one bad sample never stops the run
-                return record_failure(s.id, f"{type(e).__name__}: {e}")
-            info = (data.get("meta_info") or {}).get("hidden_states_export") if isinstance(data, dict) else None
-            if status == 200 and info is None:
-                record_failure(s.id, "the server answered without meta_info.hidden_states_export: "
-                                     "is it running with --export-hidden-states-dir?")
-            elif status == 200:
-                summ.exported += 1
-                summ.tokens += info["num_tokens"]
-                summ.bytes += info.get("bytes", 0)
-                journal.write(json.dumps({"id": s.id, "dir": info["dir"], "path": info["path"],
-                                          "num_tokens": info["num_tokens"]}) + "\n")
-                journal.flush()
-            elif status == 409:  # made durable by a run that was killed before it could note it
-                summ.already_exported += 1
-                journal.write(json.dumps({"id": s.id, "already_exported": True}) + "\n")
-                journal.flush()
-            else:
-                record_failure(s.id, f"HTTP {status}: {_msg(data)}")
-
-    samples: List[Sample] = []
+def _samples(cfg: CaptureConfig, tok, done: Dict[str, dict], summ: Summary, record_failure) -> Iterator[Sample]:
+    """The records still to send, read and tokenised one at a time."""
     for i, rec in enumerate(iter_records(cfg.data)):
         if cfg.limit is not None and i >= cfg.limit:
-            break
+            return
         summ.total += 1
         sid = sample_id(cfg.id_prefix, i, rec if isinstance(rec, dict) else {"not_json": str(rec)})
         if sid in done:
@@ -217,44 +225,125 @@ async def _capture(cfg: CaptureConfig, tok) -> Summary:
             record_failure(sid, f"bad record: {rec}")
             continue
         try:
-            samples.append(to_sample(tok, rec, sid, cfg.last_turn_only, cfg.mask_reasoning))
+            yield to_sample(tok, rec, sid, cfg.last_turn_only, cfg.mask_reasoning)
         except (RecordError, ValueError, KeyError, TypeError) as e:
             record_failure(sid, f"bad record: {e}")
 
+
+def count_records(path: str, limit: Optional[int]) -> Optional[int]:
+    """For the progress line: lines of a JSONL file (cheap, no parsing), rows of a dataset;
+    None for a pipe, which can be read only once."""
+    if os.path.isdir(path):
+        return None
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        n = sum(1 for line in f if line.strip())
+    return n if limit is None else min(n, limit)
+
+
+async def _capture(cfg: CaptureConfig, tok) -> Summary:
+    os.makedirs(cfg.out, exist_ok=True)
+    servers = [u.rstrip("/") for u in cfg.servers]
+    check_servers(cfg.out, servers, cfg.allow_new_servers)
+    done = load_done(cfg.out)
+    summ = Summary()
+    journal = open(os.path.join(cfg.out, JOURNAL), "a")
+    failed_log = open(os.path.join(cfg.out, FAILED), "a")
+    # At most `concurrency` samples are tokenised and not yet answered at any time.
+    slots = asyncio.Semaphore(cfg.concurrency)
+    t0 = time.perf_counter()
+    stop = asyncio.Event()
+
+    def stop_because(why: str) -> None:
+        if not stop.is_set():
+            summ.interrupted, summ.stopped_because = True, why
+            stop.set()
+
+    def record_failure(sid, why):
+        summ.failed += 1
+        failed_log.write(json.dumps({"id": sid, "error": why, "time": time.time()}) + "\n")
+        failed_log.flush()
+
+    async def one(session, s: Sample):
+        url = server_for(s.id, servers)
+        try:
+            if cfg.regenerate and s.messages:
+                s = await _regenerate(session, url, cfg, tok, s)
+            ids, mask = truncate(s.input_ids, s.loss_mask, cfg.max_length)
+            if mask is not None and not any(mask):
+                raise RecordError("no assistant token left after truncation")
+            opts = {"metadata": {"source": os.path.basename(cfg.data)}}
+            if mask is not None:
+                opts["loss_mask"] = mask
+            status, data = await _post(session, url, "/generate", {
+                "rid": s.id, "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 1, "custom_params": {"sglang_hs": opts}}}, cfg)
+        except ServerGone as e:  # not this sample's fault: it stays unsent, a rerun sends it
+            return stop_because(str(e))
+        except RecordError as e:
+            return record_failure(s.id, str(e))
+        except Exception as e:  # one bad sample never stops the run
+            return record_failure(s.id, f"{type(e).__name__}: {e}")
+        info = (data.get("meta_info") or {}).get("hidden_states_export") if isinstance(data, dict) else None
+        if status == 200 and info is None:
+            record_failure(s.id, "the server answered without meta_info.hidden_states_export: "
+                                 "is it running with --export-hidden-states-dir?")
+        elif status == 200:
+            summ.exported += 1
+            summ.tokens += info["num_tokens"]
+            summ.bytes += info.get("bytes", 0)
+            journal.write(json.dumps({"id": s.id, "dir": info["dir"], "path": info["path"],
+                                      "num_tokens": info["num_tokens"]}) + "\n")
+            journal.flush()
+        elif status == 409:  # made durable by a run that was killed before it could note it
+            summ.already_exported += 1
+            journal.write(json.dumps({"id": s.id, "already_exported": True}) + "\n")
+            journal.flush()
+        else:
+            record_failure(s.id, f"HTTP {status}: {_msg(data)}")
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_because, "stopped by a signal")
     timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = [asyncio.ensure_future(one(session, s)) for s in samples]
-        progress = asyncio.ensure_future(_progress(summ, len(samples), t0, cfg.progress))
-        waiter = asyncio.ensure_future(asyncio.gather(*tasks))
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            summ.interrupted = True
+    progress = asyncio.ensure_future(_progress(summ, count_records(cfg.data, cfg.limit), t0, cfg.progress))
+    in_flight: set = set()
+    try:
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+            for s in _samples(cfg, tok, done, summ, record_failure):
+                await slots.acquire()
+                if stop.is_set():
+                    slots.release()
+                    break
+                task = asyncio.ensure_future(one(session, s))
+                in_flight.add(task)
+                task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
             # Requests already sent finish (their samples become durable and are journaled);
-            # nothing new starts.
-            await asyncio.gather(*tasks, return_exceptions=True)
-        stopper.cancel()
+            # after a stop nothing new starts.
+            await asyncio.gather(*in_flight, return_exceptions=True)
+    finally:
         progress.cancel()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.remove_signal_handler(sig)
-    journal.close()
-    failed_log.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        journal.close()
+        failed_log.close()
     summ.seconds = time.perf_counter() - t0
     return summ
 
 
-async def _progress(summ: Summary, n: int, t0: float, enabled: bool):
+async def _progress(summ: Summary, n: Optional[int], t0: float, enabled: bool):
     while enabled:
         await asyncio.sleep(1.0)
         dt = time.perf_counter() - t0
         k = summ.exported + summ.already_exported + summ.failed
         rate = k / dt if dt else 0
-        eta = (n - k) / rate if rate else float("inf")
-        sys.stderr.write(f"\r[capture] {k}/{n} samples  {rate:.1f} samples/s  {summ.tokens / dt:.0f} tokens/s  "
-                         f"{summ.bytes / 1e9:.2f} GB  ETA {eta:.0f} s   ")
+        left = ""
+        if n is not None:
+            todo = n - summ.skipped_done
+            left = f"/{todo}" + (f"  ETA {(todo - k) / rate:.0f} s" if rate else "")
+        sys.stderr.write(f"\r[capture] {k}{left} samples  {rate:.1f} samples/s  {summ.tokens / dt:.0f} tokens/s  "
+                         f"{summ.bytes / 1e9:.2f} GB   ")
         sys.stderr.flush()
 
 

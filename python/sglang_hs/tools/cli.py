@@ -40,6 +40,11 @@ def main(argv=None) -> None:
     c.add_argument("--retries", type=int, default=5)
     c.add_argument("--id-prefix", default="")
     c.add_argument("--limit", type=int, help="only the first N records")
+    c.add_argument("--server-wait", type=float, default=600.0,
+                   help="seconds to wait for a server that stopped answering before the run stops (default 600)")
+    c.add_argument("--allow-new-servers", action="store_true",
+                   help="resume with a --server list other than the first run's (samples in flight when the "
+                        "last run stopped may be exported twice)")
     c.add_argument("--no-progress", action="store_true")
     i = sub.add_parser("inspect", help="summary of an export directory")
     i.add_argument("dir")
@@ -70,15 +75,20 @@ def main(argv=None) -> None:
             print("OK" if rep.ok else "FAILED")
         sys.exit(0 if rep.ok else 1)
     if a.cmd == "capture":
-        from sglang_hs.tools.capture import CaptureConfig, capture
+        from sglang_hs.format import SampleIdError
+        from sglang_hs.tools.capture import CaptureConfig, ServersChangedError, capture
 
         cfg = CaptureConfig(servers=a.server, data=a.data, out=a.out, tokenizer=a.tokenizer,
                             trust_remote_code=a.trust_remote_code,
                             concurrency=a.concurrency, max_length=a.max_length, last_turn_only=a.last_turn_only,
                             mask_reasoning=a.mask_reasoning, regenerate=a.regenerate,
                             max_new_tokens=a.max_new_tokens, temperature=a.temperature, retries=a.retries,
-                            id_prefix=a.id_prefix, limit=a.limit, progress=not a.no_progress)
-        summ = capture(cfg)
+                            id_prefix=a.id_prefix, limit=a.limit, progress=not a.no_progress,
+                            server_wait_s=a.server_wait, allow_new_servers=a.allow_new_servers)
+        try:
+            summ = capture(cfg)
+        except (SampleIdError, ServersChangedError) as e:
+            sys.exit(f"sglang-hs capture: {e}")
         print(f"[capture] {summ.line()}")
         sys.exit(130 if summ.interrupted else (1 if summ.failed else 0))
     if a.cmd == "inspect":
