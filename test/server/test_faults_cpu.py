@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import requests
 
@@ -39,9 +40,11 @@ def send(url, rid):
         return None  # the server went away mid-request
 
 
-def run_and_stop(model, out, log, sig, after_listed):
+def run_and_stop(model, out, log, sig, after_listed, group=True):
     """Send every sample 4 at a time; once `after_listed` are in the manifest, send `sig` to
-    the server's whole process group. Returns the status each rid got."""
+    the server's whole process group (or, `group=False`, to the launcher process alone).
+    Returns the status each rid got, and the processes of the server still alive 10 s after
+    the launcher exited."""
     srv = LocalServer(args(model, out), log).__enter__()
     codes = {}
     with cf.ThreadPoolExecutor(4) as ex:
@@ -49,14 +52,31 @@ def run_and_stop(model, out, log, sig, after_listed):
         t0 = time.time()
         while len(read_manifest(out)) < after_listed and time.time() - t0 < 300:
             time.sleep(0.05)
-        os.killpg(srv.proc.pid, sig)
+        (os.killpg if group else os.kill)(srv.proc.pid, sig)
         for f in cf.as_completed(futs):
             codes[futs[f]] = f.result()
     try:
         srv.proc.wait(60)
+        left = survivors(srv.proc.pid, within=10)
     finally:
         srv.__exit__(None, None, None)
-    return codes
+    return codes, left
+
+
+def survivors(pgid, within):
+    """Processes of the group `pgid` that are still alive after `within` seconds."""
+    deadline = time.time() + within
+    while True:
+        left = []
+        for p in psutil.process_iter(["pid", "name"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p.info["name"])
+            except (ProcessLookupError, psutil.Error):
+                pass
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def resume(model, out, log):
@@ -115,12 +135,27 @@ def test_server_killed_mid_capture_is_waited_for_and_the_capture_finishes_after_
 def test_sigterm_mid_run_writes_queued_samples_and_exits(tiny_path, tmp_path):
     out = str(tmp_path / "export")
     log = str(tmp_path / "a.log")
-    codes = run_and_stop(tiny_path, out, log, signal.SIGTERM, after_listed=8)
+    codes, left = run_and_stop(tiny_path, out, log, signal.SIGTERM, after_listed=8)
+    assert not left, left
     text = open(log).read()
     assert "drained:" in text, text[-3000:]
     assert not [line for line in text.splitlines() if "NOT written" in line]
     assert {rid for rid, c in codes.items() if c == 200} <= {e["id"] for e in read_manifest(out)}
     assert validate_export(out).ok
+    resume(tiny_path, out, str(tmp_path / "b.log"))
+    assert_complete(out)
+
+
+def test_sigterm_to_the_launcher_alone_leaves_every_answered_sample_listed(tiny_path, tmp_path):
+    """What a service manager does: SIGTERM to the launcher process only. Its children are
+    stopped by SGLang itself; every sample answered 200 must be listed, nothing half-written
+    may stay, no process of the server may outlive it, and a resend completes the set."""
+    out = str(tmp_path / "export")
+    codes, left = run_and_stop(tiny_path, out, str(tmp_path / "a.log"), signal.SIGTERM, after_listed=8, group=False)
+    assert not left, f"outlived the launcher: {left}"
+    assert {rid for rid, c in codes.items() if c == 200} <= {e["id"] for e in read_manifest(out)}
+    assert validate_export(out).ok
+    assert not [f for _, _, fs in os.walk(out) for f in fs if f.endswith(".tmp")]
     resume(tiny_path, out, str(tmp_path / "b.log"))
     assert_complete(out)
 
