@@ -6,6 +6,7 @@ README.md ("File format") is the human description; `validate_export` is the exe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -195,6 +196,58 @@ def check_compatible(existing: dict, new: Mapping[str, object]) -> None:
             f"the export directory already holds samples of another configuration ({detail}). "
             "Use a new --export-hidden-states-dir or the same model and layers."
         )
+
+
+def chat_template_sha256(template) -> Optional[str]:
+    """A fingerprint of a tokenizer's chat template (a string, or a list/dict of named
+    templates), the same on the server (export.json) and in `capture` (each sample)."""
+    if not template:
+        return None
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# How a sample's loss mask was made, in its provenance: from the model's chat template by
+# `capture`, given with the record (pre-tokenized input), or none (raw text: all ones).
+MASK_POLICIES = ("template", "given", "none")
+PROVENANCE_KEY = "capture"
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureProvenance:
+    """What made one sample, written by `sglang-hs capture` into the sample's metadata (under
+    "capture") and shown by `inspect`; converters read `mask_policy` to know whether a mask may
+    be re-derived for a trainer's convention."""
+
+    source: str
+    tokenizer: str
+    chat_template_sha256: Optional[str]
+    mask_policy: str
+    last_turn_only: bool
+    mask_reasoning: bool
+    max_length: Optional[int]
+    truncated: bool
+    regenerated: bool
+    sglang_hs_version: str
+
+    def __post_init__(self):
+        if self.mask_policy not in MASK_POLICIES:
+            raise ValueError(f"mask_policy must be one of {MASK_POLICIES}, got {self.mask_policy!r}")
+
+    @classmethod
+    def of_sample(cls, meta: Mapping[str, str]) -> Optional["CaptureProvenance"]:
+        """From a sample file's metadata; None for a sample not written through `capture`."""
+        try:
+            raw = json.loads(meta.get("metadata") or "{}").get(PROVENANCE_KEY)
+        except (ValueError, AttributeError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+        fields = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in fields})
+        except (TypeError, ValueError):
+            return None
 
 
 def load_sample(path: str) -> Dict[str, torch.Tensor]:

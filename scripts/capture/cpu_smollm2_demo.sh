@@ -25,4 +25,5 @@ $BIN/sglang-hs capture --server http://127.0.0.1:$PORT --data "$DATA" --out $OUT
 # 4. Look, check, convert.
 $BIN/sglang-hs inspect $OUT
 $BIN/sglang-hs verify $OUT --samples 8
+rm -rf $OUT-specforge  # derived: rewritten whole on every run
 $BIN/sglang-hs convert $OUT --to specforge $OUT-specforge

@@ -26,4 +26,5 @@ sglang-hs capture --server http://127.0.0.1:30000 --data $DATA --out $OUT --conc
 kill $SERVER; wait $SERVER 2>/dev/null || true
 trap - EXIT
 sglang-hs verify $OUT --samples 16 --device cuda
+rm -rf ${OUT}-specforge  # derived: rewritten whole on every run
 sglang-hs convert $OUT --to specforge ${OUT}-specforge

@@ -34,4 +34,5 @@ done
 sglang-hs capture --server http://127.0.0.1:$PORT --data $DATA --out $OUT --trust-remote-code \
     --concurrency 128 --max-length 8192
 sglang-hs inspect $OUT
-sglang-hs convert $OUT --to specforge ${OUT}-specforge
+rm -rf ${OUT}-specforge  # derived: rewritten whole on every run
+sglang-hs convert $OUT --to specforge ${OUT}-specforge --trust-remote-code

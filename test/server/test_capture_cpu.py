@@ -13,7 +13,8 @@ from importlib import resources
 import pytest
 
 from sglang_hs.tools.capture import JOURNAL
-from sglang_hs.format import load_sample, read_manifest, validate_export
+from sglang_hs.format import CaptureProvenance, load_sample, read_manifest, sample_metadata, validate_export
+from sglang_hs.tools.convert import inspect_export
 from sglang_hs.tools.records import iter_records, sample_id, to_sample
 from sglang_hs.tools.serve import LocalServer
 
@@ -84,6 +85,13 @@ def test_capture_200_conversations_kill_and_resume(smol_server, smollm2_path):
             assert "loss_mask" not in t
         else:
             assert t["loss_mask"].tolist() == want, e["id"]
+    # Provenance: the client's fingerprint of the chat template it tokenised with equals the one
+    # the server computed from its own tokenizer, for every sample.
+    prov = inspect_export(srv.export_dir)
+    assert prov["server"]["chat_template_sha256"], prov["server"]
+    assert prov["capture"]["without_provenance"] == 0 and prov["capture"]["other_chat_template_than_server"] == 0
+    assert {w["chat_template_sha256"] for w in prov["capture"]["ways"]} == {prov["server"]["chat_template_sha256"]}
+    assert sum(w["samples"] for w in prov["capture"]["ways"]) == 200
 
 
 def test_regenerate_exports_the_models_own_answers(smol_server, tmp_path):
@@ -108,3 +116,5 @@ def test_regenerate_exports_the_models_own_answers(smol_server, tmp_path):
         assert "(to be replaced)" not in text
         answer = tok.decode(t["token_ids"][t["loss_mask"].bool()])
         assert answer.endswith("<|im_end|>") and len(answer) > len("<|im_end|>")
+        prov = CaptureProvenance.of_sample(sample_metadata(os.path.join(srv.export_dir, e["path"])))
+        assert prov.regenerated and prov.mask_policy == "template" and prov.source == "three.jsonl"

@@ -1,77 +1,235 @@
+"""Converters, read back by the trainers' own loaders (SpecForge 0.2.0, speculators 0.9.0).
+
+The export under test holds Hugging Face transformers' states of the tiny SmolLM2-vocabulary
+Llama for real chats, written by our writer with the provenance `capture` attaches; the
+trainers' loaders must give back exactly those tensors and the masks of their own rules."""
+
+import argparse
+import dataclasses
 import json
 import os
 
+import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from hypothesis import given, settings, strategies as hs
+
+from safetensors.torch import load_file
 
 from harness.fixtures import write_test_export_json
-from sglang_hs.overlay.staging import SlabPool
+from sglang_hs.format import PROVENANCE_KEY, CaptureProvenance, chat_template_sha256
+from sglang_hs.overlay.rows import RequestState, plan_forward, split_rows
+from sglang_hs.overlay.staging import Piece, SlabPool
 from sglang_hs.overlay.writer import SampleWriter
-from sglang_hs.tools.convert import ExportDataset, inspect_export, to_specforge, to_speculators
-from test_writer import complete_state
+from sglang_hs.protocol import RequestOptions
+from sglang_hs.tools.convert import (ConvertOptions, ExportDataset, dataset_order, inspect_export, to_specforge,
+                                     to_speculators)
+from sglang_hs.tools.masks import apply_mask_rule, chat_ids_and_mask, separator_ids
+from sglang_hs.tools.records import sample_id
+from sglang_hs.tools.verify import hf_planes, load_hf
 
-H, K = 8, 3
+LAYERS = [2, 4, 6]
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Count to {n}."},
+     {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1)) + "."},
+     {"role": "user", "content": "Again, backwards?"},
+     {"role": "assistant", "content": " ".join(str(i) for i in range(n, 0, -1)) + "!"}]
+    for n in (3, 7, 12, 5)
+]
 
 
-def export_dir(tmp_path, n=3, norm_w=None):
-    d = str(tmp_path / "export")
+def write_sample(w, rid, planes, ids, mask, metadata):
+    """One request's rows, arriving in two forwards, as the runtime hands them to the writer."""
+    st = RequestState(rid=rid, prompt_ids=ids, options=RequestOptions(loss_mask=mask, metadata=metadata,
+                                                                       call_id=f"c-{rid}"))
+    n = len(ids)
+    for start, end in ((0, n // 2), (n // 2, n)):
+        _, segs, _ = plan_forward([st], [start], [end - start])
+        p = planes[start:end].bfloat16()
+        piece = Piece(p[:, :-1].contiguous(), p[:, -1].contiguous(), None)
+        split_rows([piece], segs)
+        piece.release()
+    w.submit(st, lambda: False)
+
+
+@pytest.fixture(scope="module")
+def export(tiny_path, tmp_path_factory):
+    """The tiny model's HF fp32 states for CHATS (plus one pre-tokenized record with its own
+    mask), written in an order other than the dataset's, as completion order would be."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    model = load_hf(tiny_path, torch.float32)
+    d = str(tmp_path_factory.mktemp("convert") / "export")
     os.makedirs(d)
-    write_test_export_json(d, H, model_path=str(tmp_path / "model"))
-    w = SampleWriter(d, "dp0", [2, 5, 7], SlabPool(1 << 20, slab_bytes=1 << 12), lambda m: None)
-    for i in range(n):
-        st = complete_state(f"s{i}", 4 + i, loss_mask=[0] + [1] * (3 + i))
-        if norm_w is not None:  # a final plane that really is RMSNorm(h) * w, as the model makes it
-            h = torch.randn(4 + i, H) * 3
-            normed = (norm_w * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
-            a = 0
-            for c in st.pieces:
-                c.final.copy_(normed[a:a + c.rows])
-                a += c.rows
-        w.submit(st, lambda: False)
+    write_test_export_json(d, 64, aux_layer_ids=LAYERS, model_path=tiny_path, num_layers=8)
+    w = SampleWriter(d, "dp0", LAYERS, SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None)
+    records = [{"messages": c} for c in CHATS] + [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 0]}]
+    samples = {}
+    for i, rec in enumerate(records):
+        ids, mask = chat_ids_and_mask(tok, rec["messages"]) if "messages" in rec else (rec["input_ids"],
+                                                                                    rec["loss_mask"])
+        prov = CaptureProvenance(source="chats.jsonl", tokenizer=tiny_path,
+                                 chat_template_sha256=chat_template_sha256(tok.chat_template),
+                                 mask_policy="template" if "messages" in rec else "given", last_turn_only=False,
+                                 mask_reasoning=False, max_length=None, truncated=False, regenerated=False,
+                                 sglang_hs_version="test")
+        samples[sample_id("", i, rec)] = (ids, mask, rec)
+        planes = hf_planes(model, torch.tensor(ids), LAYERS)
+        samples[sample_id("", i, rec)] += (planes,)
+        meta = {PROVENANCE_KEY: dataclasses.asdict(prov)}
+        if i == 0:
+            first = (sample_id("", i, rec), planes, ids, mask, meta)
+            continue
+        write_sample(w, sample_id("", i, rec), planes, ids, mask, meta)
+    write_sample(w, *first)  # dataset position 0 completes last
     w.close()
-    return d
+    return d, samples, tok
 
 
-def test_dataset_and_specforge_round_trip(tmp_path):
-    d = export_dir(tmp_path)
+def expected_mask(tok, entry, rule):
+    ids, mask, rec, _ = entry
+    if "messages" not in rec:
+        return mask  # a given mask is the user's, never rewritten
+    return apply_mask_rule(ids, mask, rule, separator_ids(tok))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(hs.lists(hs.integers(0, 10**6), unique=True, max_size=30), hs.randoms())
+def test_dataset_order_is_the_position_in_the_sample_id(positions, rnd):
+    ids = [f"run-{p:08d}-{p % 97:010x}" for p in positions] + ["zz-other", "aa-other"]
+    rnd.shuffle(ids)
+    ordered = [ids[i] for i in dataset_order(ids)]
+    assert ordered == [f"run-{p:08d}-{p % 97:010x}" for p in sorted(positions)] + ["aa-other", "zz-other"]
+
+
+def test_dataset_is_in_dataset_order_not_completion_order(export):
+    d, samples, _ = export
+    manifest_first = json.loads(open(os.path.join(d, "manifest.jsonl")).readline())["id"]
     ds = ExportDataset(d)
-    assert len(ds) == 3
-    n = to_specforge(d, str(tmp_path / "sf"))
-    assert n == 3
-    for i in range(3):
-        t = ds[i]
+    assert [e["id"] for e in ds.entries] == list(samples) and manifest_first != list(samples)[0]
+
+
+def test_specforge_0_2_0_reads_our_folder_with_its_own_loader(export, trainers, tmp_path, tiny_path, monkeypatch):
+    """Its eagle3 offline reader (file checks on) -> LocalFeatureStore -> FeatureDataLoader,
+    with its own per-sample normalizer and collator; its vocabulary count; its config schema;
+    its target head, for SmolLM2's tied embeddings."""
+    from specforge.algorithms.eagle3.data import (build_offline_collator, build_offline_normalizer,
+                                                  build_offline_reader)
+    from specforge.config.schema import Config
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    d, samples, tok = export
+    dest = str(tmp_path / "sf")
+    rep = to_specforge(d, dest)
+    assert rep.samples == len(samples) and rep.remasked == len(CHATS) and rep.kept == {"mask given": 1}
+    monkeypatch.setenv("SPECFORGE_VALIDATE_OFFLINE_FEATURES", "1")
+    refs = build_offline_reader(dest, run_id="t", ttt_length=7, max_len=4096).read()
+    assert len(refs) == len(samples)
+    loader = FeatureDataLoader(LocalFeatureStore("t"), refs=refs, batch_size=1,
+                               per_sample_transform=build_offline_normalizer(4096),
+                               collate_fn=build_offline_collator(), drop_last=False)
+    by_ids = {tuple(e[0]): e for e in samples.values()}
+    seen = 0
+    for tb in loader:
+        batch = tb.tensors
+        ids = batch["input_ids"][0].tolist()
+        entry = by_ids[tuple(ids)]
+        planes = entry[3]
+        T = len(ids)
+        assert batch["hidden_state"].shape == (1, T, 3 * 64) and batch["hidden_state"].dtype == torch.bfloat16
+        assert torch.equal(batch["hidden_state"][0].view(T, 3, 64), planes[:, :3].bfloat16())
+        assert torch.equal(batch["target"][0], planes[:, 3].bfloat16())
+        want = expected_mask(tok, entry, "turns+separator")
+        want[-1] = 0  # SpecForge's normalizer never trains the last position
+        assert batch["loss_mask"][0].tolist() == want
+        seen += 1
+    assert seen == len(samples)
+    counts = count_effective_feature_tokens(dest, max_length=4096, target_vocab_size=49152)
+    want = {}
+    for entry in samples.values():
+        for t, m in zip(entry[0], expected_mask(tok, entry, "turns+separator")):
+            want[t] = want.get(t, 0) + m
+    assert dict(counts) == {t: n for t, n in want.items() if n}
+    cfg = Config.from_file(os.path.join(dest, "specforge.yaml"))
+    assert cfg.data.hidden_states_path == os.path.abspath(dest)
+    assert cfg.model.lm_head_key == "model.embed_tokens.weight"  # SmolLM2 ties its lm_head
+    head = TargetHead(cfg.model.target_model_path)
+    head.load_weights(cfg.model.target_model_path, lm_head_key=cfg.model.lm_head_key)
+    emb = load_file(os.path.join(tiny_path, "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(head.fc.weight.data, emb.to(head.fc.weight.dtype))
+
+
+def test_speculators_0_9_0_trainer_data_path_reads_our_folder_as_is(export, trainers, tmp_path, tiny_path):
+    """`--data-path DEST` and nothing else: its ArrowDataset (the trainer's dataset) over our
+    datasets folder and hidden_states/, its vocabulary map from our token_freq.pt, and its own
+    verifier norm applied to our last plane giving back our post-norm final."""
+    from speculators.models.eagle3.model_definitions import model_classes
+    from speculators.train.data import ArrowDataset
+    from speculators.train.cli import parse_vocab_mappings
+    from speculators.train.config import TrainConfig
+    from speculators.utils.loading import load_model_layers
+
+    d, samples, tok = export
+    dest = str(tmp_path / "spec")
+    rep = to_speculators(d, dest)
+    assert rep.remasked == len(CHATS) and rep.kept == {"mask given": 1}
+    ds = ArrowDataset(max_len=4096, datapath=dest, on_missing="raise")
+    assert len(ds) == len(samples)
+    norm = model_classes["llama"].norm_class(64, eps=1e-5)
+    norm.load_state_dict({"weight": load_model_layers(["model.norm.weight"], tiny_path)["model.norm.weight"]})
+    for i, (sid, entry) in enumerate(samples.items()):  # row i is dataset position i
+        item = ds[i]
+        ids, planes = entry[0], entry[3]
+        T = len(ids)
+        assert item["input_ids"].tolist() == ids and item["input_ids"].dtype == torch.int64
+        assert item["hidden_states"].shape == (T, 3 * 64)
+        assert torch.equal(item["hidden_states"], planes[:, :3].bfloat16().reshape(T, -1))
+        assert item["loss_mask"].tolist() == expected_mask(tok, entry, "last-turn+separator")
+        with torch.no_grad():
+            renormed = norm(item["verifier_last_hidden_states"].float())
+        torch.testing.assert_close(renormed, planes[:, 3], rtol=2e-2, atol=2e-2)
+    freq = torch.load(os.path.join(dest, "token_freq.pt"), weights_only=True)
+    want = {}
+    for entry in samples.values():
+        for t, m in zip(entry[0], expected_mask(tok, entry, "last-turn+separator")):
+            if m:
+                want[t] = want.get(t, 0) + 1
+    assert freq == want
+    # The trainer's own command line and vocabulary step: --data-path finds token_freq.pt.
+    cfg = TrainConfig.resolve(["--data-path", dest, "--verifier-name-or-path", tiny_path,
+                               "--draft-vocab-size", "32"])
+    d2t, t2d, size = parse_vocab_mappings(argparse.Namespace(**cfg.flatten()))
+    assert size == 32 and d2t.shape == (32,) and int(t2d.sum()) == 32
+    # The draft vocabulary is the most frequent loss tokens first: here all of them fit.
+    assert len(freq) < 32 and set(freq) <= set(t2d.nonzero().flatten().tolist())
+
+
+def test_a_rule_can_be_chosen_and_captured_keeps_every_mask(export, tmp_path):
+    d, samples, _ = export
+    rep = to_specforge(d, str(tmp_path / "sf"), ConvertOptions(loss_mask="captured"))
+    assert rep.remasked == 0 and rep.kept == {}
+    for i, entry in enumerate(samples.values()):
         rec = torch.load(tmp_path / "sf" / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
-        T = t["token_ids"].shape[0]
-        assert set(rec) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
-        assert rec["input_ids"].dtype == torch.int64 and rec["input_ids"].tolist() == t["token_ids"].tolist()
-        assert rec["loss_mask"].tolist() == t["loss_mask"].tolist()
-        assert rec["hidden_state"].shape == (1, T, H) and rec["aux_hidden_state"].shape == (1, T, K * H)
-        assert torch.equal(rec["hidden_state"][0], t["final_hidden_states"])
-        assert torch.equal(rec["aux_hidden_state"].view(T, K, H), t["aux_hidden_states"])
+        assert rec["loss_mask"].tolist() == entry[1]
+    with pytest.raises(ValueError, match="unknown loss-mask rule"):
+        to_specforge(d, str(tmp_path / "sf2"), ConvertOptions(loss_mask="everything"))
+    with pytest.raises(ValueError, match="not empty"):  # stale files would be read as samples
+        to_speculators(d, str(tmp_path / "sf"))
 
 
-def test_speculators_last_layer_renormalizes_to_the_exported_final(tmp_path):
-    w = torch.rand(H) + 0.5
-    d = export_dir(tmp_path, norm_w=w)
-    os.makedirs(tmp_path / "model")
-    save_file({"model.norm.weight": w}, str(tmp_path / "model" / "model.safetensors"))
-    assert to_speculators(d, str(tmp_path / "spec")) == 3
-    ds = ExportDataset(d)
-    for i in range(3):
-        t, s = ds[i], load_file(str(tmp_path / "spec" / f"hs_{i}.safetensors"))
-        assert s["hidden_states"].shape == (t["token_ids"].shape[0], K + 1, H)
-        assert torch.equal(s["hidden_states"][:, :K], t["aux_hidden_states"])
-        assert s["token_ids"].tolist() == t["token_ids"].tolist()
-        x = s["hidden_states"][:, K].float()  # what speculators normalizes itself
-        renormed = w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-        torch.testing.assert_close(renormed, t["final_hidden_states"].float(), rtol=2e-2, atol=2e-2)
-
-
-def test_inspect(tmp_path):
-    d = export_dir(tmp_path)
+def test_inspect(export, tmp_path):
+    d, samples, _ = export
     with open(os.path.join(d, "capture_failed.jsonl"), "w") as f:
         f.write(json.dumps({"id": "bad-1", "error": "x"}) + "\n")
     r = inspect_export(d)
-    assert r["samples"] == 3 and r["tokens"] == 4 + 5 + 6 and r["bytes"] > 0
-    assert r["aux_layer_ids"] == [2, 5, 7] and r["failed_ids"] == ["bad-1"]
-    assert r["length_histogram"] == {"1-127": 3}
+    assert r["samples"] == len(samples) and r["tokens"] == sum(len(e[0]) for e in samples.values())
+    assert r["aux_layer_ids"] == LAYERS and r["failed_ids"] == ["bad-1"]
+    assert r["length_histogram"] == {"1-127": len(samples)}
+    ways = {w["mask_policy"]: w for w in r["capture"]["ways"]}
+    assert ways["template"]["samples"] == len(CHATS) and ways["given"]["samples"] == 1
+    assert ways["template"]["chat_template_sha256"] == chat_template_sha256(export[2].chat_template)
+    assert r["capture"]["without_provenance"] == 0 and r["server"]["architecture"] == "LlamaForCausalLM"
+    os.remove(os.path.join(d, "capture_failed.jsonl"))

@@ -124,3 +124,80 @@ def test_qwen3_reasoning_kept_or_masked_and_history_rewritten(base_tok):
 def test_truncation_keeps_the_first_tokens():
     assert truncate([1, 2, 3, 4], [0, 1, 1, 1], 3) == ([1, 2, 3], [0, 1, 1])
     assert truncate([1, 2], None, 3) == ([1, 2], None)
+
+
+# --- Trainer conventions (apply_mask_rule), against the trainers' own mask code -----------------
+
+from hypothesis import given, settings, strategies as hs  # noqa: E402
+
+from sglang_hs.tools.masks import MASK_RULES, apply_mask_rule, separator_ids  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(hs.lists(hs.tuples(hs.integers(0, 5), hs.booleans()), max_size=60))
+def test_mask_rules_only_add_separators_after_turns_and_last_turn_keeps_one_run(spec):
+    ids = [t for t, _ in spec]
+    mask = [int(m) for _, m in spec]
+    is_sep = lambda t: t == 0  # noqa: E731 - token 0 plays the newline
+    assert apply_mask_rule(ids, mask, "captured", is_sep) == mask
+    turns = apply_mask_rule(ids, mask, "turns+separator", is_sep)
+    last = apply_mask_rule(ids, mask, "last-turn+separator", is_sep)
+    for i, (m, t) in enumerate(zip(turns, mask)):
+        if m != t:  # every added position is a separator right after a run of the captured mask
+            assert t == 0 and m == 1 and ids[i] == 0 and i > 0 and mask[i - 1] == 1
+    assert all(a <= b for a, b in zip(last, turns))  # last turn: a part of the turns mask
+    runs = sum(1 for i, m in enumerate(last) if m and (i == 0 or not last[i - 1]))
+    assert runs == (1 if any(mask) else 0)
+    if any(mask):  # and that part ends where the captured mask's last run (plus separator) ends
+        end = max(i for i, m in enumerate(turns) if m)
+        assert last[end] == 1 and not any(last[end + 1:])
+
+
+def test_unknown_rule_is_refused():
+    with pytest.raises(ValueError, match="captured, turns"):
+        apply_mask_rule([1], [1], "all", lambda t: False)
+
+
+MULTI = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris. It has been the capital since 987."},
+    {"role": "user", "content": "And of Italy?\nAnswer in one word."},
+    {"role": "assistant", "content": "Rome.\n\nSince 1871."},
+]
+
+
+def test_turns_plus_separator_is_specforge_0_2_0s_own_mask(smollm2_path, trainers):
+    """SpecForge's chat parser (its `qwen` ChatML template, the one for SmolLM2's markup) on the
+    same conversation gives the same tokens and exactly the mask our rule derives from ours."""
+    from specforge.data.parse import GeneralParser
+    from specforge.data.template import TEMPLATE_REGISTRY
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids, mask = chat_ids_and_mask(tok, MULTI)
+    theirs_ids, theirs_mask = GeneralParser(tok, TEMPLATE_REGISTRY.get("qwen")).parse(MULTI, max_length=4096)
+    assert theirs_ids.tolist() == ids
+    ours = apply_mask_rule(ids, mask, "turns+separator", separator_ids(tok))
+    assert ours == theirs_mask.tolist() and ours != mask
+
+
+def test_last_turn_plus_separator_is_speculators_0_9_0s_own_mask(smollm2_path, trainers, monkeypatch):
+    """speculators' prepare-data derives its mask from renders of the conversation (through a
+    vLLM render endpoint); with that render done by the tokenizer's own template, its row for
+    the last assistant turn is our sample, with exactly the mask our rule derives."""
+    from speculators.data_generation import preprocessing
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+
+    def render(conv, endpoint, *, add_generation_prompt, max_length, tools=None):
+        return list(tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                            return_dict=True)["input_ids"])[:max_length]
+
+    monkeypatch.setattr(preprocessing, "_encode_render", render)
+    rows = preprocessing._render_boundary_rows(MULTI, "local", 4096)
+    ids, mask = chat_ids_and_mask(tok, MULTI)
+    assert rows[-1]["input_ids"] == ids
+    ours = apply_mask_rule(ids, mask, "last-turn+separator", separator_ids(tok))
+    assert ours == rows[-1]["loss_mask"] and ours != mask

@@ -95,7 +95,9 @@ def is_writer_rank(attn_tp_rank: int, attn_cp_rank: int, is_last_pp_rank: bool) 
 
 def export_info(*, model_path: str, architecture: str, hidden_size: int, num_layers: int, dtype: str,
                 aux_layer_ids: Sequence[int], attention_backend: Optional[str], device: str, tp_size: int,
-                dp_size: int, sglang_version: str) -> dict:
+                dp_size: int, sglang_version: str, tokenizer_path: Optional[str] = None,
+                chat_template_sha256: Optional[str] = None, quantization: Optional[str] = None,
+                kv_cache_dtype: Optional[str] = None) -> dict:
     """export.json: what the directory holds and what the numbers were computed with."""
     return {
         "format": FORMAT_VERSION,
@@ -111,6 +113,12 @@ def export_info(*, model_path: str, architecture: str, hidden_size: int, num_lay
         "device": device,
         "tp_size": tp_size,
         "dp_size": dp_size,
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+        # The tokenizer the server was started with, and its chat template's fingerprint, to
+        # compare with each sample's capture provenance (`inspect` does).
+        "tokenizer_path": tokenizer_path,
+        "chat_template_sha256": chat_template_sha256,
         "sglang_version": sglang_version,
         "sglang_hs_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

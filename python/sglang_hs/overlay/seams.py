@@ -277,7 +277,9 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
         model_path=sa.model_path, architecture=arch, hidden_size=runner.model_config.hidden_size,
         num_layers=num_layers, dtype=str(runner.dtype).replace("torch.", ""), aux_layer_ids=ids,
         attention_backend=sa.attention_backend, device=sa.device, tp_size=sa.tp_size, dp_size=sa.dp_size,
-        sglang_version=sglang.__version__)
+        sglang_version=sglang.__version__, tokenizer_path=sa.tokenizer_path,
+        chat_template_sha256=_chat_template_sha256(sa), quantization=sa.quantization,
+        kv_cache_dtype=sa.kv_cache_dtype)
     existing = read_export_json(cfg.out_dir)
     if existing is None:
         write_export_json(cfg.out_dir, info)
@@ -287,6 +289,21 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
     pool = SlabPool(cfg.host_buffer_bytes, pin=str(runner.device).startswith("cuda"))
     return SampleWriter(cfg.out_dir, f"dp{dp}", ids, pool,
                         Notifier(cfg.notify_addr), threads=cfg.writer_threads)
+
+
+def _chat_template_sha256(sa):
+    """The fingerprint of the chat template of the tokenizer the server was started with
+    (None when it has none or cannot be loaded here: the export does not depend on it)."""
+    from transformers import AutoTokenizer
+
+    from sglang_hs.format import chat_template_sha256
+
+    try:
+        tok = AutoTokenizer.from_pretrained(sa.tokenizer_path, trust_remote_code=sa.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - provenance only
+        logger.warning("sglang-hs: could not load the tokenizer for export.json provenance: %s", e)
+        return None
+    return chat_template_sha256(getattr(tok, "chat_template", None))
 
 
 def _state_of(req):

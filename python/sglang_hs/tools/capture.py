@@ -25,7 +25,9 @@ from typing import Dict, Iterator, List, Optional
 
 import aiohttp
 
-from sglang_hs.format import SampleIdError, check_sample_id, human_bytes
+from sglang_hs import __version__
+from sglang_hs.format import (PROVENANCE_KEY, CaptureProvenance, SampleIdError, chat_template_sha256,
+                              check_sample_id, human_bytes)
 from sglang_hs.tools.masks import truncate
 from sglang_hs.tools.records import RecordError, Sample, iter_records, sample_id, to_sample
 
@@ -205,6 +207,16 @@ async def _regenerate(session, url, cfg: CaptureConfig, tok, s: Sample) -> Sampl
     return Sample(s.id, ids, mask, out)
 
 
+def provenance(cfg: CaptureConfig, tok, s: Sample, truncated: bool, regenerated: bool) -> CaptureProvenance:
+    """What made this sample, stored with it (format.CaptureProvenance)."""
+    policy = "template" if s.messages is not None else "given" if s.loss_mask is not None else "none"
+    return CaptureProvenance(
+        source=os.path.basename(cfg.data.rstrip("/")), tokenizer=getattr(tok, "name_or_path", "") or "",
+        chat_template_sha256=chat_template_sha256(getattr(tok, "chat_template", None)), mask_policy=policy,
+        last_turn_only=cfg.last_turn_only, mask_reasoning=cfg.mask_reasoning, max_length=cfg.max_length,
+        truncated=truncated, regenerated=regenerated, sglang_hs_version=__version__)
+
+
 def _msg(data) -> str:
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         return data["error"].get("message", "")
@@ -270,10 +282,12 @@ async def _capture(cfg: CaptureConfig, tok) -> Summary:
         try:
             if cfg.regenerate and s.messages:
                 s = await _regenerate(session, url, cfg, tok, s)
+            regenerated = bool(cfg.regenerate and s.messages)
             ids, mask = truncate(s.input_ids, s.loss_mask, cfg.max_length)
             if mask is not None and not any(mask):
                 raise RecordError("no assistant token left after truncation")
-            opts = {"metadata": {"source": os.path.basename(cfg.data)}}
+            opts = {"metadata": {PROVENANCE_KEY: dataclasses.asdict(provenance(
+                cfg, tok, s, truncated=len(ids) < len(s.input_ids), regenerated=regenerated))}}
             if mask is not None:
                 opts["loss_mask"] = mask
             status, data = await _post(session, url, "/generate", {

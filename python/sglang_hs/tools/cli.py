@@ -52,12 +52,18 @@ def main(argv=None) -> None:
     r = sub.add_parser("repair", help="reconcile an export directory after a crash (dry run unless --apply)")
     r.add_argument("dir")
     r.add_argument("--apply", action="store_true", help="change the directory (no server may be writing to it)")
+    from sglang_hs.tools.masks import MASK_RULES
+
     k = sub.add_parser("convert", help="write a trainer's layout")
     k.add_argument("dir")
     k.add_argument("--to", choices=["specforge", "speculators"], required=True)
     k.add_argument("dest")
-    k.add_argument("--model", help="speculators: checkpoint holding the final norm weight "
-                                   "(default: model_path in export.json)")
+    k.add_argument("--model", help="the target checkpoint: its tokenizer (loss-mask rules), final norm weight "
+                                   "(speculators), lm_head (SpecForge); default: model_path in export.json")
+    k.add_argument("--loss-mask", choices=list(MASK_RULES),
+                   help="loss-mask convention (default: the trainer's own: specforge turns+separator, "
+                        "speculators last-turn+separator); captured keeps the masks as exported")
+    k.add_argument("--trust-remote-code", action="store_true", help="the tokenizer is remote code (Kimi-K2.5)")
     a = p.parse_args(argv)
     if a.cmd == "verify":
         from sglang_hs.tools.verify import verify_export
@@ -107,6 +113,15 @@ def main(argv=None) -> None:
                 print(f"  {k_:>12} tokens: {v}")
             if r["failed_ids"]:
                 print(f"  failed in capture: {len(r['failed_ids'])}: {', '.join(r['failed_ids'][:20])}")
+            print("  server: " + ", ".join(f"{k_} {v}" for k_, v in r["server"].items() if v is not None))
+            c = r["capture"]
+            for way in c["ways"]:
+                print("  captured: " + ", ".join(f"{k_} {v}" for k_, v in way.items()))
+            print(f"  truncated {c['truncated']}, regenerated {c['regenerated']}, "
+                  f"without capture provenance {c['without_provenance']}")
+            if c["other_chat_template_than_server"]:
+                print(f"  WARNING: {c['other_chat_template_than_server']} samples were tokenised with another chat "
+                      "template than the server's tokenizer has")
         return
     if a.cmd == "repair":
         from sglang_hs.format import repair_export
@@ -116,9 +131,12 @@ def main(argv=None) -> None:
     if a.cmd == "convert":
         from sglang_hs.tools import convert
 
-        n = (convert.to_specforge(a.dir, a.dest) if a.to == "specforge"
-             else convert.to_speculators(a.dir, a.dest, a.model))
-        print(f"wrote {n} samples in the {a.to} layout to {a.dest}")
+        fn = convert.to_specforge if a.to == "specforge" else convert.to_speculators
+        try:
+            rep = fn(a.dir, a.dest, convert.ConvertOptions(a.model, a.loss_mask, a.trust_remote_code))
+        except ValueError as e:
+            sys.exit(f"sglang-hs convert: {e}")
+        print(rep.line())
         return
     if a.cmd == "demo":
         from sglang_hs.tools.demo import run_demo

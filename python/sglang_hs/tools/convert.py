@@ -1,69 +1,239 @@
 """Readers and converters from an export directory to what trainers load.
 
-- `ExportDataset`: a torch Dataset over the samples (memory-mapped safetensors).
-- SpecForge offline layout (written against SpecForge's offline EAGLE-3 loader as of
-  2026-11: `rows_{g}-{g+2000}/data_{idx}.ckpt`, torch.save dicts with `input_ids` [T] int64,
+- `ExportDataset`: a torch Dataset over the samples (memory-mapped safetensors), in dataset
+  order (the position `capture` put in each sample id), not completion order.
+- SpecForge 0.2.0 offline layout (what its eagle3 `OfflineManifestReader` reads):
+  `rows_{g}-{g+2000}/data_{idx}.ckpt`, torch.save dicts with `input_ids` [T] int64,
   `loss_mask` [T] int64, `hidden_state` [1, T, H] post-norm final, `aux_hidden_state`
-  [1, T, K*H]).
-- speculators layout (`hs_{idx}.safetensors` with `hidden_states` [T, K+1, H] and
-  `token_ids` [T]; written against speculators' offline data format as of 2026-11).
-  speculators applies the model's final norm to the last layer itself; our final state is
-  already normed. We write instead the pre-image `final / norm.weight`, whose RMS is 1, so the
-  norm speculators applies gives back exactly the exported post-norm state (up to the norm's
-  epsilon). That needs the model's final norm weight (`--model`), and is recorded in each
-  file's metadata ("last_layer": "prenorm_preimage"). It is not the runtime's own pre-norm
-  residual, which SGLang does not expose.
+  [1, T, K*H]; plus `specforge.yaml` (the model and data sections of a `specforge train`
+  config) and, for a target whose checkpoint has no `*.index.json` (SpecForge's target head
+  needs one) or whose lm_head is tied to the embeddings, `target_model/`: links to the
+  checkpoint's files plus the index it needs.
+- speculators 0.9.0 layout (what `python -m speculators.train --data-path DEST` reads):
+  a `datasets.save_to_disk` folder with `input_ids`, `loss_mask`, `seq_len` (torch format),
+  `hidden_states/hs_{i}.safetensors` for its row i (`hidden_states` [T, K+1, H], `token_ids`
+  [T]), and `token_freq.pt` (token id -> count over loss-masked tokens), from which it builds
+  the draft vocabulary. speculators applies the model's final norm to the last layer itself;
+  our final state is already normed. We write instead the pre-image `final / norm.weight`,
+  whose RMS is 1, so the norm speculators applies gives back the exported post-norm state (up
+  to the norm's epsilon). That needs the model's final norm weight (`--model`), and is
+  recorded in each file's metadata ("last_layer": "prenorm_preimage"). It is not the
+  runtime's own pre-norm residual, which SGLang does not expose.
+
+Loss masks follow each trainer's own convention by default (masks.MASK_RULES); a mask is
+rewritten only where the sample's provenance says `capture` made it from the chat template.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import glob
 import json
 import os
+import re
 from typing import Dict, List, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sglang_hs.format import iter_samples, load_sample, read_export_json
+from sglang_hs.format import CaptureProvenance, iter_samples, load_sample, read_export_json, sample_metadata
+from sglang_hs.tools.masks import MASK_RULES, apply_mask_rule, separator_ids
 
 SPECFORGE_GROUP = 2000
+# Each trainer's own rule (see masks.MASK_RULES).
+DEFAULT_MASK_RULE = {"specforge": "turns+separator", "speculators": "last-turn+separator"}
+# `capture`'s sample ids end with the record's dataset position and a content hash.
+_POSITION = re.compile(r"(\d{8})-[0-9a-f]{10}$")
+
+
+def dataset_order(ids: List[str]) -> List[int]:
+    """Indices of `ids` in dataset order: by the position `capture` put in the id, then by
+    id; ids without a position (rids of other clients) last, by id."""
+    def key(i):
+        m = _POSITION.search(ids[i])
+        return (0, int(m.group(1)), ids[i]) if m else (1, 0, ids[i])
+
+    return sorted(range(len(ids)), key=key)
 
 
 class ExportDataset(torch.utils.data.Dataset):
-    """Samples of an export directory, in manifest order; tensors are read lazily."""
+    """Samples of an export directory, in dataset order; tensors are read lazily."""
 
     def __init__(self, out_dir: str):
         self.dir = out_dir
         self.info = read_export_json(out_dir)
-        self.entries = [e for e, _ in iter_samples(out_dir)]
+        entries = [e for e, _ in iter_samples(out_dir)]
+        self.entries = [entries[i] for i in dataset_order([e["id"] for e in entries])]
 
     def __len__(self) -> int:
         return len(self.entries)
 
+    def path(self, i: int) -> str:
+        return os.path.join(self.dir, self.entries[i]["path"])
+
+    def provenance(self, i: int) -> Optional[CaptureProvenance]:
+        return CaptureProvenance.of_sample(sample_metadata(self.path(i)))
+
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        t = load_sample(os.path.join(self.dir, self.entries[i]["path"]))
+        t = load_sample(self.path(i))
         t.setdefault("loss_mask", torch.ones_like(t["token_ids"], dtype=torch.uint8))
         return t
 
 
-def to_specforge(out_dir: str, dest: str) -> int:
+@dataclasses.dataclass
+class ConvertReport:
+    layout: str
+    dest: str
+    samples: int
+    loss_mask_rule: str
+    # Samples whose mask was rewritten to the rule, and those kept as captured, by reason.
+    remasked: int = 0
+    kept: Dict[str, int] = dataclasses.field(default_factory=dict)
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+    def line(self) -> str:
+        kept = ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
+        return (f"wrote {self.samples} samples in the {self.layout} layout to {self.dest}; loss masks: "
+                f"{self.loss_mask_rule} ({self.remasked} rewritten" + (f"; kept as captured: {kept}" if kept else "")
+                + ")" + "".join(f"\n  {n}" for n in self.notes))
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    # The target checkpoint (tokenizer for the mask rules, final norm, lm_head); default: the
+    # export's model_path.
+    model_path: Optional[str] = None
+    # A masks.MASK_RULES name; default: the trainer's own (DEFAULT_MASK_RULE).
+    loss_mask: Optional[str] = None
+    # Kimi-K2.5 and other checkpoints ship their tokenizer as remote code.
+    trust_remote_code: bool = False
+
+
+class _Masks:
+    """Each sample's loss mask under a rule, rewritten only where the mask came from the chat
+    template (a given mask is the user's; a raw-text sample has none)."""
+
+    def __init__(self, ds: ExportDataset, rule: str, opts: ConvertOptions, report: ConvertReport):
+        if rule not in MASK_RULES:
+            raise ValueError(f"unknown loss-mask rule {rule!r}: use one of {', '.join(MASK_RULES)}")
+        self.ds, self.rule, self.report, self.opts = ds, rule, report, opts
+        self._is_sep = None
+
+    def _why_kept(self, prov: Optional[CaptureProvenance]) -> Optional[str]:
+        if prov is None:
+            return "no capture provenance"
+        if prov.mask_policy != "template":
+            return f"mask {prov.mask_policy}"
+        if prov.mask_reasoning:
+            return "reasoning masked (its runs are not turns)"
+        return None
+
+    def __call__(self, i: int, t: Dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = t["loss_mask"].long()
+        if self.rule == "captured":
+            return mask
+        why = self._why_kept(self.ds.provenance(i))
+        if why is not None:
+            self.report.kept[why] = self.report.kept.get(why, 0) + 1
+            return mask
+        if self._is_sep is None:
+            from transformers import AutoTokenizer
+
+            path = self.opts.model_path or self.ds.info.get("tokenizer_path") or self.ds.info["model_path"]
+            self._is_sep = separator_ids(AutoTokenizer.from_pretrained(
+                path, trust_remote_code=self.opts.trust_remote_code))
+        self.report.remasked += 1
+        return torch.tensor(apply_mask_rule(t["token_ids"].tolist(), mask.tolist(), self.rule, self._is_sep),
+                            dtype=torch.long)
+
+
+def _fresh(dest: str) -> None:
+    """A converter writes into an empty (or new) folder: files left from an earlier conversion
+    would be read as samples of this one."""
+    if os.path.isdir(dest) and os.listdir(dest):
+        raise ValueError(f"{dest} is not empty: convert into a new folder (or remove it first)")
+    os.makedirs(dest, exist_ok=True)
+
+
+def to_specforge(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions()) -> ConvertReport:
     ds = ExportDataset(out_dir)
+    rule = opts.loss_mask or DEFAULT_MASK_RULE["specforge"]
+    rep = ConvertReport("specforge", dest, len(ds), rule)
+    masks = _Masks(ds, rule, opts, rep)
+    _fresh(dest)
+    model = opts.model_path or ds.info["model_path"]
+    longest = 0
     for idx in range(len(ds)):
         t = ds[idx]
         g = idx // SPECFORGE_GROUP * SPECFORGE_GROUP
         folder = os.path.join(dest, f"rows_{g}-{g + SPECFORGE_GROUP}")
         os.makedirs(folder, exist_ok=True)
         n = t["token_ids"].shape[0]
+        longest = max(longest, n)
         torch.save({
             "input_ids": t["token_ids"].long(),
-            "loss_mask": t["loss_mask"].long(),
+            "loss_mask": masks(idx, t),
             "hidden_state": t["final_hidden_states"][None].clone(),
             "aux_hidden_state": t["aux_hidden_states"].reshape(1, n, -1).clone(),
         }, os.path.join(folder, f"data_{idx}.ckpt"))
-    _write_index(dest, ds, "specforge")
-    return len(ds)
+    target, lm_head_key = specforge_target(model, dest)
+    if target != model:
+        rep.notes.append(f"target_model/ links {model} and adds the checkpoint index SpecForge's target head reads")
+    _write_specforge_yaml(dest, ds.info, target, lm_head_key, longest)
+    rep.notes.append(f"train: specforge train --config {os.path.join(dest, 'specforge.yaml')} "
+                     "(add the draft model and training sections)")
+    _write_index(dest, ds, "specforge", rule)
+    return rep
+
+
+def specforge_target(model_path: str, dest: str):
+    """(target_model_path, lm_head_key) for SpecForge 0.2.0. Its target head reads the lm_head
+    through a `*.index.json` weight map and needs the tied embedding named when the model
+    ties them; for a checkpoint without an index (or with a tied head), `dest/target_model`
+    links to its files and adds the index."""
+    cfg = json.load(open(os.path.join(model_path, "config.json")))
+    tied = bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False)))
+    weight_map = {}
+    for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
+        with safe_open(f, framework="pt") as st:
+            weight_map.update({k: os.path.basename(f) for k in st.keys()})
+    # Wrappers nest the text model (Kimi-K2.5: language_model.lm_head.weight).
+    heads = sorted((k for k in weight_map if k.endswith("lm_head.weight")), key=len)
+    embeds = sorted((k for k in weight_map if k.endswith("embed_tokens.weight")), key=len)
+    lm_head_key = heads[0] if heads and not tied else embeds[0] if embeds else "lm_head.weight"
+    if glob.glob(os.path.join(model_path, "*.index.json")):
+        return model_path, lm_head_key
+    target = os.path.join(dest, "target_model")
+    os.makedirs(target, exist_ok=True)
+    for name in os.listdir(model_path):
+        link = os.path.join(target, name)
+        if not os.path.lexists(link):
+            os.symlink(os.path.abspath(os.path.join(model_path, name)), link)
+    with open(os.path.join(target, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"written_by": "sglang-hs convert"}, "weight_map": weight_map}, f, indent=1)
+    return target, lm_head_key
+
+
+def _write_specforge_yaml(dest: str, info: dict, target: str, lm_head_key: str, longest: int) -> None:
+    ids = info.get("aux_layer_ids") or []
+    lines = [
+        "# The model and data sections of a SpecForge 0.2.0 `specforge train` config for this",
+        "# export, written by `sglang-hs convert`. Add the draft model and the training section.",
+        f"# Aux states are HF output_hidden_states {ids}; SGLang's EAGLE-3 draft config numbers",
+        f"# them one lower (eagle_aux_hidden_state_layer_ids: {[i - 1 for i in ids]}).",
+        "model:",
+        f"  target_model_path: {json.dumps(os.path.abspath(target))}",
+        f"  lm_head_key: {lm_head_key}",
+        "data:",
+        f"  hidden_states_path: {json.dumps(os.path.abspath(dest))}",
+        f"  max_length: {max(longest, 1)}",
+        "training:",
+        "  attention_backend: sdpa",
+    ]
+    with open(os.path.join(dest, "specforge.yaml"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def final_norm_weight(model_path: str) -> torch.Tensor:
@@ -76,29 +246,50 @@ def final_norm_weight(model_path: str) -> torch.Tensor:
     raise ValueError(f"no model.norm.weight in {model_path}/*.safetensors")
 
 
-def to_speculators(out_dir: str, dest: str, model_path: Optional[str] = None) -> int:
-    info = read_export_json(out_dir)
-    w = final_norm_weight(model_path or info["model_path"]).float()
+def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions()) -> ConvertReport:
+    from datasets import Dataset
+
+    ds = ExportDataset(out_dir)
+    model = opts.model_path or ds.info["model_path"]
+    w = final_norm_weight(model).float()
     if bool((w == 0).any()):
         raise ValueError("the final norm has zero weights: the post-norm state cannot be mapped to a pre-image")
-    ds = ExportDataset(out_dir)
-    os.makedirs(dest, exist_ok=True)
+    rule = opts.loss_mask or DEFAULT_MASK_RULE["speculators"]
+    rep = ConvertReport("speculators", dest, len(ds), rule)
+    masks = _Masks(ds, rule, opts, rep)
+    _fresh(dest)
+    hs_dir = os.path.join(dest, "hidden_states")
+    os.makedirs(hs_dir)
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    freq: collections.Counter = collections.Counter()
     for idx in range(len(ds)):
         t = ds[idx]
         final = t["final_hidden_states"]
         pre = (final.float() / w).to(final.dtype)
         hs = torch.cat([t["aux_hidden_states"], pre[:, None]], dim=1).contiguous()
-        save_file({"hidden_states": hs, "token_ids": t["token_ids"].long(), "loss_mask": t["loss_mask"].long()},
-                  os.path.join(dest, f"hs_{idx}.safetensors"),
+        ids, mask = t["token_ids"].long(), masks(idx, t)
+        save_file({"hidden_states": hs, "token_ids": ids},
+                  os.path.join(hs_dir, f"hs_{idx}.safetensors"),
                   metadata={"id": ds.entries[idx]["id"], "last_layer": "prenorm_preimage",
-                            "aux_layer_ids": json.dumps(info["aux_layer_ids"])})
-    _write_index(dest, ds, "speculators")
-    return len(ds)
+                            "aux_layer_ids": json.dumps(ds.info["aux_layer_ids"])})
+        rows["input_ids"].append(ids.tolist())
+        rows["loss_mask"].append(mask.tolist())
+        rows["seq_len"].append(int(ids.numel()))
+        freq.update(ids[mask.bool()].tolist())
+    table = Dataset.from_dict(rows)
+    table.set_format(type="torch")
+    table.save_to_disk(dest)
+    # speculators' own prepare-data counts loss-masked tokens into a dict of int -> int.
+    torch.save(dict(freq), os.path.join(dest, "token_freq.pt"))
+    rep.notes.append(f"train: python -m speculators.train --data-path {dest} "
+                     f"--verifier-name-or-path {model} --draft-vocab-size N")
+    _write_index(dest, ds, "speculators", rule)
+    return rep
 
 
-def _write_index(dest: str, ds: ExportDataset, layout: str) -> None:
+def _write_index(dest: str, ds: ExportDataset, layout: str, rule: str) -> None:
     with open(os.path.join(dest, "sglang_hs_index.json"), "w") as f:
-        json.dump({"layout": layout, "source": os.path.abspath(ds.dir), "export": ds.info,
+        json.dump({"layout": layout, "source": os.path.abspath(ds.dir), "export": ds.info, "loss_mask_rule": rule,
                    "ids": [e["id"] for e in ds.entries]}, f, indent=1)
 
 
@@ -120,4 +311,34 @@ def inspect_export(out_dir: str) -> dict:
     return {"dir": out_dir, "samples": len(entries), "tokens": sum(lengths), "bytes": size,
             "aux_layer_ids": info.get("aux_layer_ids"), "dtype": info.get("dtype"),
             "hidden_size": info.get("hidden_size"), "model_path": info.get("model_path"),
-            "length_histogram": {k: v for k, v in hist.items() if v}, "failed_ids": failed}
+            "length_histogram": {k: v for k, v in hist.items() if v}, "failed_ids": failed,
+            "server": {k: info.get(k) for k in SERVER_PROVENANCE},
+            "capture": capture_provenance(out_dir, info)}
+
+
+# What export.json says the numbers and tokens depend on (`inspect` shows it).
+SERVER_PROVENANCE = ("architecture", "attention_backend", "quantization", "kv_cache_dtype", "device", "tp_size",
+                     "dp_size", "tokenizer_path", "chat_template_sha256", "sglang_version", "sglang_hs_version")
+
+
+def capture_provenance(out_dir: str, info: dict) -> dict:
+    """The samples' capture provenance, grouped: how many samples were made each way, how many
+    were truncated or regenerated, and how many were tokenised with a chat template other than
+    the one of the tokenizer the server runs (a drafter would then be trained on other text)."""
+    groups: collections.Counter = collections.Counter()
+    truncated = regenerated = without = other_template = 0
+    for _, path in iter_samples(out_dir):
+        prov = CaptureProvenance.of_sample(sample_metadata(path)) if os.path.exists(path) else None
+        if prov is None:
+            without += 1
+            continue
+        truncated += prov.truncated
+        regenerated += prov.regenerated
+        server_template = info.get("chat_template_sha256")
+        if prov.mask_policy == "template" and server_template and prov.chat_template_sha256 != server_template:
+            other_template += 1
+        groups[json.dumps({k: v for k, v in dataclasses.asdict(prov).items()
+                           if k not in ("truncated", "regenerated")}, sort_keys=True)] += 1
+    return {"ways": [dict(json.loads(k), samples=n) for k, n in groups.most_common()],
+            "truncated": truncated, "regenerated": regenerated, "without_provenance": without,
+            "other_chat_template_than_server": other_template}

@@ -14,7 +14,7 @@ header. Spans are found in the rendered text, then mapped to tokens by their off
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 THINK = re.compile(r"<think>.*?</think>", re.S)
 
@@ -88,3 +88,48 @@ def truncate(ids: List[int], mask: Optional[List[int]], max_length: Optional[int
     if max_length is None or len(ids) <= max_length:
         return ids, mask
     return ids[:max_length], (mask[:max_length] if mask is not None else None)
+
+
+# Loss-mask conventions a converter can write. `capture` marks each assistant turn's content
+# and its end-of-turn marker. SpecForge 0.2.0's chat parser (GeneralParser) also marks the
+# separator the template puts after the marker (ChatML's "\n" after <|im_end|>); speculators
+# 0.9.0's prepare-data marks, per row, the last assistant turn from its start to the end of
+# the rendered conversation (which includes that separator), and nothing before it.
+MASK_RULES = ("captured", "turns+separator", "last-turn+separator")
+
+
+def separator_ids(tok) -> Callable[[int], bool]:
+    """Whether a token is a template separator: it decodes to whitespace holding a newline."""
+    cache: Dict[int, bool] = {}
+
+    def is_sep(t: int) -> bool:
+        if t not in cache:
+            s = tok.decode([t])
+            cache[t] = bool(s) and not s.strip() and "\n" in s
+        return cache[t]
+
+    return is_sep
+
+
+def apply_mask_rule(ids: Sequence[int], mask: Sequence[int], rule: str,
+                    is_separator: Callable[[int], bool]) -> List[int]:
+    """A `capture` mask rewritten to a trainer's convention (MASK_RULES)."""
+    if rule not in MASK_RULES:
+        raise ValueError(f"unknown loss-mask rule {rule!r}: use one of {', '.join(MASK_RULES)}")
+    out = [int(m) for m in mask]
+    if rule == "captured":
+        return out
+    runs = []  # [start, end) of each run of ones
+    for i, m in enumerate(out):
+        if m and (i == 0 or not out[i - 1]):
+            runs.append([i, i + 1])
+        elif m:
+            runs[-1][1] = i + 1
+    if rule == "last-turn+separator" and runs:
+        out = [0] * len(out)
+        runs = runs[-1:]
+        out[runs[0][0]:runs[0][1]] = [1] * (runs[0][1] - runs[0][0])
+    for _, end in runs:
+        if end < len(out) and is_separator(ids[end]):
+            out[end] = 1
+    return out
