@@ -182,8 +182,7 @@ def to_specforge(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions(
     if target != model:
         rep.notes.append(f"target_model/ links {model} and adds the checkpoint index SpecForge's target head reads")
     _write_specforge_yaml(dest, ds.info, target, lm_head_key, longest)
-    rep.notes.append(f"train: specforge train --config {os.path.join(dest, 'specforge.yaml')} "
-                     "(add the draft model and training sections)")
+    rep.notes.append(f"train: specforge train --config {os.path.join(dest, 'specforge.yaml')} [training.KEY=VALUE ...]")
     _write_index(dest, ds, "specforge", rule)
     return rep
 
@@ -220,7 +219,8 @@ def _write_specforge_yaml(dest: str, info: dict, target: str, lm_head_key: str, 
     ids = info.get("aux_layer_ids") or []
     lines = [
         "# The model and data sections of a SpecForge 0.2.0 `specforge train` config for this",
-        "# export, written by `sglang-hs convert`. Add the draft model and the training section.",
+        "# export, written by `sglang-hs convert`. SpecForge's defaults fill in the rest (a draft",
+        "# config generated from the target); override with dotted arguments to `specforge train`.",
         f"# Aux states are HF output_hidden_states {ids}; SGLang's EAGLE-3 draft config numbers",
         f"# them one lower (eagle_aux_hidden_state_layer_ids: {[i - 1 for i in ids]}).",
         "model:",
