@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -70,11 +71,12 @@ def plan(n: int, seed: int) -> list:
 class Server:
     """The server under soak, restartable on the same port and directory."""
 
-    def __init__(self, model: str, out: str, logs: str):
-        self.args = ["--model-path", model, "--export-hidden-states-dir", out, "--chunked-prefill-size", "64",
-                     "--skip-server-warmup", "--log-level", "warning"]
+    def __init__(self, model: str, out, logs: str):
+        self.args = ["--model-path", model, "--chunked-prefill-size", "64", "--skip-server-warmup",
+                     "--log-level", "warning"] + (["--export-hidden-states-dir", out] if out else [])
         self.port, self.logs, self.n = free_port(), logs, 0
         self.srv = None
+        self.exporting = bool(out)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> float:
@@ -105,14 +107,14 @@ class Server:
         return total / 2**20
 
 
-async def drive(server: Server, reqs: list, concurrency: int, restarts: list) -> dict:
+async def drive(server: Server, reqs: list, concurrency: int, restarts: list, restart: bool = True) -> dict:
     """Send every request; resend those lost to a restart; count what came back."""
     codes = collections.Counter()
     done = {"n": 0}
     up = asyncio.Event()
     up.set()
     pending = collections.deque(reqs)
-    restart_at = {len(reqs) // 3: signal.SIGTERM, 2 * len(reqs) // 3: signal.SIGKILL}
+    restart_at = {len(reqs) // 3: signal.SIGTERM, 2 * len(reqs) // 3: signal.SIGKILL} if restart else {}
     events = []
 
     async def send(session, r: Req, hang_up: bool):
@@ -141,7 +143,7 @@ async def drive(server: Server, reqs: list, concurrency: int, restarts: list) ->
                 if status == 423:  # a hung-up copy is still in flight
                     await asyncio.sleep(0.5)
                     continue
-                if status == 200:
+                if status == 200 and server.exporting:
                     info = data["meta_info"].get("hidden_states_export")
                     if (info is None) != (r.kind == "opt_out"):
                         events.append({"wrong_answer": r.rid, "kind": r.kind, "meta": str(data["meta_info"])[:300]})
@@ -207,15 +209,64 @@ def check_rows(out: str, model_path: str, reqs: list) -> dict:
             "worst_row_cosine": worst}
 
 
+def steady(rss: list, life: int) -> dict:
+    """One server life's RSS after its first minute (start-up, pools filling): the median of
+    its first third against its last third."""
+    mib = [(t, m) for t, n, m in rss if n == life and m > 0]
+    later = [m for t, m in mib if t - mib[0][0] >= 60] if mib else []
+    k = max(1, len(later) // 3)
+    return {"samples": len(later), "first_third_mib": statistics.median(later[:k]) if later else None,
+            "last_third_mib": statistics.median(later[-k:]) if later else None}
+
+
+def memory_control(model: str, reqs: list, concurrency: int, rounds: int) -> dict:
+    """Is RSS growth within a server life ours? The same requests against a server with export
+    off and one with it on, alternating, one life each, no restarts."""
+    out = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in ("off", "on"):
+            work = tempfile.mkdtemp(prefix=f"soak-mem-{mode}-", dir="/dev/shm")
+            server = Server(model, os.path.join(work, "export") if mode == "on" else None, work)
+            rss, stop = [], threading.Event()
+            t0 = time.time()
+
+            def sample(server=server, rss=rss, stop=stop, t0=t0):
+                while not stop.wait(5.0):
+                    rss.append((round(time.time() - t0, 1), server.n, round(server.rss_mib(), 1)))
+
+            server.start()
+            threading.Thread(target=sample, daemon=True).start()
+            asyncio.run(drive(server, reqs, concurrency, [], restart=False))
+            stop.set()
+            server.stop(signal.SIGTERM)
+            st = steady(rss, 1)
+            st["growth_mib"] = round(st["last_third_mib"] - st["first_third_mib"], 1) if st["samples"] else None
+            out[mode].append(st)
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "soak_cpu.json"))
+    p.add_argument("--memory-control", type=int, metavar="ROUNDS", default=0,
+                   help="instead of the soak: RSS growth with export off vs on, ROUNDS alternating rounds")
+    p.add_argument("--out", default=None)
     a = p.parse_args()
     smol = shipped_models.smollm2(os.path.join(REPO, ".cache", "models", "smollm2-135m-instruct"))
     model = models.tiny("llama", os.path.join(REPO, ".cache", "models", "tiny-llama-8l"), smol)
+    if a.memory_control:
+        res = {**provenance(sys.argv), "model": "tiny-llama-8l", "requests": a.requests,
+               "concurrency": a.concurrency, **memory_control(model, plan(a.requests, a.seed), a.concurrency,
+                                                               a.memory_control)}
+        path = a.out or os.path.join(REPO, "benchmark", "results", "soak_cpu_memory_control.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps(res, indent=1))
+        return
+    a.out = a.out or os.path.join(REPO, "benchmark", "results", "soak_cpu.json")
     work = tempfile.mkdtemp(prefix="soak-", dir="/dev/shm")
     out = os.path.join(work, "export")
     reqs = plan(a.requests, a.seed)
@@ -242,14 +293,8 @@ def main():
     opted_out = {r.rid for r in reqs if r.kind == "opt_out"}
     fmt = validate_export(out, expected_tokens={r.rid: r.ids for r in reqs if r.kind != "opt_out"})
     rows = check_rows(out, model, reqs)
-    # Flat memory: over the last server's life (the longest stretch without a restart), after
-    # its first minute (start-up, pools filling), the first third's RSS against the last third's.
-    life = [(t, m) for t, n, m in rss if n == server.n and m > 0]
-    steady = [m for t, m in life if t - life[0][0] >= 60]
-    k = max(1, len(steady) // 3)
-    flat = {"samples": len(steady),
-            "first_third_mib": statistics.median(steady[:k]) if steady else None,
-            "last_third_mib": statistics.median(steady[-k:]) if steady else None}
+    # Flat memory: within each server life (restarts reset it), after its first minute.
+    flat = {str(n): steady(rss, n) for n in range(1, server.n + 1)}
     result = {
         **provenance(sys.argv),
         "model": "tiny-llama-8l (hidden 64, SmolLM2 vocabulary)",
@@ -267,7 +312,7 @@ def main():
         "restarts": restarts,
         "minutes": round(minutes_serving, 2),
         "max_rss_mib": max((m for _, _, m in rss), default=0.0),
-        "last_server_steady_rss": flat,
+        "steady_rss_by_server_life": flat,
         "rss_series": rss,
         "work_dir": work,
     }
