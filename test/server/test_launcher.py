@@ -6,8 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import requests
 
-from sglang_hs.tools.serve import cpu_env
+from sglang_hs.tools.convert import compare_with_server
+from sglang_hs.tools.serve import LocalServer, cpu_env
 
 pytestmark = pytest.mark.server
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -18,7 +20,8 @@ def test_help_lists_the_export_flags():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     for flag in ("--export-hidden-states-dir", "--export-aux-layer-ids", "--export-host-buffer-gib",
-                 "--export-writer-threads", "--export-write-timeout", "--export-allow-untested-model"):
+                 "--export-writer-threads", "--export-write-timeout", "--export-allow-untested-model",
+                 "--platform-preset"):
         assert flag in r.stdout
 
 
@@ -45,6 +48,7 @@ def test_bad_settings_fail_fast_with_a_message_that_says_what_to_do(tiny_path, t
         (base + ["--export-hidden-states-dir", ok_dir, "--nnodes", "2", "--node-rank", "0",
                  "--dist-init-addr", "127.0.0.1:5757"], "--nnodes > 1 is not supported yet"),
         (base + ["--export-hidden-states-dir", str(other)], "another configuration"),
+        (base + ["--platform-preset", "sm120"], "is unknown; the presets are: sm120-pcie-tp8"),
         (base + ["--export-hidden-states-dir", ok_dir, "--export-aux-layer-ids", "1", "4", "7"], None),
         (base, None),
     ]
@@ -65,3 +69,31 @@ def test_bad_settings_fail_fast_with_a_message_that_says_what_to_do(tiny_path, t
         else:
             assert not got["ok"] and want in got["message"] and got["message"].startswith("sglang-hs: error:"), \
                 (argv, got)
+
+
+def test_a_platform_preset_reaches_the_schedulers_and_what_the_user_set_wins(tiny_path, tmp_path):
+    """The seed's SM120 set on a CPU server: NCCL variables the user did not set reach the
+    scheduler (export.json records what it saw), the user's own NCCL_PROTO and the
+    --attention-backend that serve-cpu gives win, the preset's other flag is applied, and the
+    launcher log says what was set and why."""
+    out = str(tmp_path / "hs")
+    srv = LocalServer(["--model-path", tiny_path, "--export-hidden-states-dir", out, "--platform-preset",
+                       "sm120-pcie-tp8", "--skip-server-warmup"], str(tmp_path / "server.log"))
+    srv.env = dict(srv.env, NCCL_PROTO="Simple")
+    with srv:
+        info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+    numerics = json.load(open(os.path.join(out, "export.json")))["numerics"]
+    assert numerics["env"]["NCCL_ALGO"] == "Ring" and numerics["env"]["NCCL_NTHREADS"] == "512"
+    assert numerics["env"]["NCCL_PROTO"] == "Simple" and numerics["platform_preset"] == "sm120-pcie-tp8"
+    assert numerics["attention_backend"] == "torch_native" and info["attention_backend"] == "torch_native"
+    assert info["num_continuous_decode_steps"] == 4
+    # `inspect --against`: the server the export came from computes with the same numerics; one
+    # that would serve with another attention backend and TP size is named.
+    export = json.load(open(os.path.join(out, "export.json")))
+    assert compare_with_server(export, info) == []
+    other = compare_with_server(export, dict(info, attention_backend="triton", tp_size=8))
+    assert other == ["attention_backend: captured with 'torch_native', served with 'triton'",
+                     "tp_size: captured with 1, served with 8"]
+    log = open(tmp_path / "server.log").read()
+    assert "platform preset sm120-pcie-tp8: NCCL_ALGO=Ring (Ring:" in log
+    assert "NCCL_PROTO=Simple kept (set by you" in log and "--attention-backend torch_native kept" in log

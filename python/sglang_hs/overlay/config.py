@@ -97,7 +97,7 @@ def export_info(*, model_path: str, architecture: str, hidden_size: int, num_lay
                 aux_layer_ids: Sequence[int], attention_backend: Optional[str], device: str, tp_size: int,
                 dp_size: int, sglang_version: str, tokenizer_path: Optional[str] = None,
                 chat_template_sha256: Optional[str] = None, quantization: Optional[str] = None,
-                kv_cache_dtype: Optional[str] = None) -> dict:
+                kv_cache_dtype: Optional[str] = None, numerics: Optional[dict] = None) -> dict:
     """export.json: what the directory holds and what the numbers were computed with."""
     return {
         "format": FORMAT_VERSION,
@@ -115,6 +115,8 @@ def export_info(*, model_path: str, architecture: str, hidden_size: int, num_lay
         "dp_size": dp_size,
         "quantization": quantization,
         "kv_cache_dtype": kv_cache_dtype,
+        # NCCL variables, all-reduce path, graphs, GPU: the numbers change with them.
+        "numerics": numerics or {},
         # The tokenizer the server was started with, and its chat template's fingerprint, to
         # compare with each sample's capture provenance (`inspect` does).
         "tokenizer_path": tokenizer_path,

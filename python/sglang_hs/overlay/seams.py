@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import uuid
 from typing import Callable, List, NamedTuple, Optional
 
@@ -41,6 +42,7 @@ logger = logging.getLogger("sglang_hs")
 # The resolved config travels to every SGLang process through the environment: scheduler
 # and detokenizer processes inherit it, whatever way ServerArgs reaches them.
 ENV_CONFIG = "SGLANG_HS_EXPORT_CONFIG"
+ENV_PRESET = "SGLANG_HS_PLATFORM_PRESET"
 
 
 class Seam(NamedTuple):
@@ -85,6 +87,9 @@ def _parse_config(raw: str) -> ExportConfig:
 # --------------------------------------------------------------------------------------
 
 
+_parser_defaults: dict = {}
+
+
 @seam("sglang.srt.server_args.ServerArgs.add_cli_args", HookType.AFTER)
 def add_cli_args(result, parser):
     """Target: ServerArgs.add_cli_args (staticmethod building the launcher's argparse parser).
@@ -93,6 +98,8 @@ def add_cli_args(result, parser):
     stock launcher. Upstream PR: a plugin hook for extra CLI argument groups (or the flags
     as ServerArgs fields). Remove when upstream has either.
     """
+    # A platform preset sets a flag only where the user left the parser's default.
+    _parser_defaults.update({a.dest: a.default for a in parser._actions})
     g = parser.add_argument_group("sglang-hs hidden-state export")
     g.add_argument("--export-hidden-states-dir", type=str, default=None, metavar="DIR",
                    help="Write the EAGLE-3 aux hidden states and the post-norm final hidden state "
@@ -109,6 +116,9 @@ def add_cli_args(result, parser):
                    help="Background threads writing sample files (default 8).")
     g.add_argument("--export-write-timeout", type=float, default=600.0, metavar="S",
                    help="Seconds /generate waits for its sample to be durable (default 600).")
+    g.add_argument("--platform-preset", type=str, default=None, metavar="NAME",
+                   help="Environment variables (NCCL) and server flags for one kind of machine, from "
+                        "sglang_hs/data/presets.json (sm120-pcie-tp8, hopper-nvlink); what you set or give wins.")
     g.add_argument("--export-allow-untested-model", action="store_true",
                    help="Export a model class whose layer ids read back right but whose export sglang-hs "
                         "has not compared with Hugging Face (see the README's family table).")
@@ -122,6 +132,8 @@ def from_cli_args(original, cls, args):
     process is spawned or weights are read, so bad settings fail in a second with a clear
     message. Upstream PR: ServerArgs fields plus a validation hook. Remove with that PR.
     """
+    if getattr(args, "platform_preset", None):
+        _apply_platform_preset(args)
     server_args = original(cls, args)
     out_dir = getattr(args, "export_hidden_states_dir", None)
     if out_dir is None:
@@ -135,6 +147,20 @@ def from_cli_args(original, cls, args):
     logger.info("sglang-hs: exporting hidden states to %s (aux layers %s)", cfg.out_dir,
                 list(cfg.aux_layer_ids) if cfg.aux_layer_ids else "model default")
     return server_args
+
+
+def _apply_platform_preset(args) -> None:
+    """Before ServerArgs exists and before any process spawns (children inherit os.environ)."""
+    from sglang_hs.overlay.presets import PresetError, apply_preset, flag_given, get_preset
+
+    try:
+        preset = get_preset(args.platform_preset)
+        applied = apply_preset(preset, os.environ, lambda f: flag_given(f, sys.argv[1:], args, _parser_defaults), args)
+    except PresetError as e:
+        raise SystemExit(f"sglang-hs: error: {e}") from None
+    os.environ[ENV_PRESET] = preset.name  # for export.json, written in a scheduler process
+    for line in applied.lines:
+        logger.warning("sglang-hs: platform preset %s: %s", preset.name, line)
 
 
 def _check_startup(server_args, args) -> ExportConfig:
@@ -279,7 +305,7 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
         attention_backend=sa.attention_backend, device=sa.device, tp_size=sa.tp_size, dp_size=sa.dp_size,
         sglang_version=sglang.__version__, tokenizer_path=sa.tokenizer_path,
         chat_template_sha256=_chat_template_sha256(sa), quantization=sa.quantization,
-        kv_cache_dtype=sa.kv_cache_dtype)
+        kv_cache_dtype=sa.kv_cache_dtype, numerics=_numerics(sa, runner))
     existing = read_export_json(cfg.out_dir)
     if existing is None:
         write_export_json(cfg.out_dir, info)
@@ -289,6 +315,21 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
     pool = SlabPool(cfg.host_buffer_bytes, pin=str(runner.device).startswith("cuda"))
     return SampleWriter(cfg.out_dir, f"dp{dp}", ids, pool,
                         Notifier(cfg.notify_addr), threads=cfg.writer_threads)
+
+
+def _numerics(sa, runner) -> dict:
+    """What the exported numbers depend on beyond the model, as this scheduler process sees it."""
+    import torch
+
+    from sglang_hs.overlay.presets import recorded_env
+
+    gpu = None
+    if str(runner.device).startswith("cuda") and torch.cuda.is_available():
+        gpu = {"name": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
+    return {"env": recorded_env(os.environ), "platform_preset": os.environ.get(ENV_PRESET),
+            "attention_backend": sa.attention_backend, "disable_custom_all_reduce": sa.disable_custom_all_reduce,
+            "enable_torch_compile": sa.enable_torch_compile, "disable_cuda_graph": sa.disable_cuda_graph,
+            "gpu": gpu}
 
 
 def _chat_template_sha256(sa):

@@ -49,6 +49,8 @@ def main(argv=None) -> None:
     i = sub.add_parser("inspect", help="summary of an export directory")
     i.add_argument("dir")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--against", metavar="URL", help="a serving SGLang server: warn where it computes with other "
+                                                    "numerics than the export was captured with")
     r = sub.add_parser("repair", help="reconcile an export directory after a crash (dry run unless --apply)")
     r.add_argument("dir")
     r.add_argument("--apply", action="store_true", help="change the directory (no server may be writing to it)")
@@ -104,6 +106,14 @@ def main(argv=None) -> None:
         from sglang_hs.format import human_bytes
 
         r = inspect_export(a.dir)
+        if a.against:
+            import requests
+
+            from sglang_hs.format import read_export_json
+            from sglang_hs.tools.convert import compare_with_server
+
+            served = requests.get(a.against.rstrip("/") + "/get_server_info", timeout=30).json()
+            r["against"] = {"url": a.against, "differences": compare_with_server(read_export_json(a.dir) or {}, served)}
         if a.json:
             print(json.dumps(r, indent=2))
         else:
@@ -119,6 +129,11 @@ def main(argv=None) -> None:
                 print("  captured: " + ", ".join(f"{k_} {v}" for k_, v in way.items()))
             print(f"  truncated {c['truncated']}, regenerated {c['regenerated']}, "
                   f"without capture provenance {c['without_provenance']}")
+            if a.against:
+                for d in r["against"]["differences"] or ["none"]:
+                    print(f"  against {a.against}: {d}" if d != "none" else f"  against {a.against}: same numerics")
+                print("  (NCCL variables of the serving processes are not visible through /get_server_info: "
+                      "compare them with export.json's numerics.env yourself)")
             if c["other_chat_template_than_server"]:
                 print(f"  WARNING: {c['other_chat_template_than_server']} samples were tokenised with another chat "
                       "template than the server's tokenizer has")

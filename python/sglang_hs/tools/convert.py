@@ -342,3 +342,27 @@ def capture_provenance(out_dir: str, info: dict) -> dict:
     return {"ways": [dict(json.loads(k), samples=n) for k, n in groups.most_common()],
             "truncated": truncated, "regenerated": regenerated, "without_provenance": without,
             "other_chat_template_than_server": other_template}
+
+
+# export.json key -> /get_server_info key, for what the exported numbers depend on.
+SERVED_NUMERICS = {"attention_backend": "attention_backend", "quantization": "quantization",
+                   "kv_cache_dtype": "kv_cache_dtype", "tp_size": "tp_size", "dp_size": "dp_size",
+                   "numerics.disable_custom_all_reduce": "disable_custom_all_reduce",
+                   "numerics.disable_cuda_graph": "disable_cuda_graph",
+                   "numerics.enable_torch_compile": "enable_torch_compile"}
+
+
+def compare_with_server(info: dict, server_info: dict) -> List[str]:
+    """Where a drafter trained on this export would be served under other numerics than it
+    was captured with: one line per difference (`inspect DIR --against URL`)."""
+    lines = []
+    if os.path.basename(str(info.get("model_path", "")).rstrip("/")) != \
+            os.path.basename(str(server_info.get("model_path", "")).rstrip("/")):
+        lines.append(f"model: captured from {info.get('model_path')}, served {server_info.get('model_path')}")
+    for ours, theirs in SERVED_NUMERICS.items():
+        got = info
+        for part in ours.split("."):
+            got = (got or {}).get(part)
+        if theirs in server_info and got != server_info[theirs]:
+            lines.append(f"{theirs}: captured with {got!r}, served with {server_info[theirs]!r}")
+    return lines
