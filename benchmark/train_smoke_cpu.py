@@ -15,7 +15,7 @@ trained for a few optimiser steps by each trainer's own EAGLE-3 entry point.
 Each trainer's per-step loss and step-0 accuracy are read from its own metric output.
 Writes benchmark/results/train_smoke_cpu.json.
 
-    .venv/bin/python benchmark/train_smoke_cpu.py [--samples 64] [--steps 30]
+    .venv/bin/python benchmark/train_smoke_cpu.py [--samples 64] [--steps 30] [--speculators-epochs 8]
 """
 
 from __future__ import annotations
@@ -104,11 +104,13 @@ def capture_and_convert(work: str, samples: int) -> dict:
             "specforge_convert": sf.line(), "speculators_convert": sp.line()}
 
 
-def train_speculators(work: str, model: str, steps: int) -> dict:
+def train_speculators(work: str, model: str, epochs: int) -> dict:
+    # Its --max-steps ends an epoch, not the run (each later epoch still takes a step and a
+    # validation pass), so the run is bounded by epochs.
     metrics = os.path.join(work, "speculators-metrics.jsonl")
     cmd = [sys.executable, __file__, "--child-speculators", metrics, "--data-path", os.path.join(work, "speculators"),
            "--verifier-name-or-path", model, "--draft-vocab-size", "8192", "--save-path",
-           os.path.join(work, "speculators-out"), "--max-steps", str(steps), "--epochs", "1000",
+           os.path.join(work, "speculators-out"), "--epochs", str(epochs),
            "--total-seq-len", "2048", "--log-freq", "1", "--num-workers", "0", "--draft-attn-impl", "sdpa",
            "--loss-implementation", "eager", "--lr", "1e-3"]
     t0 = time.time()
@@ -154,7 +156,8 @@ def main():
         return run_specforge(sys.argv[2:])
     p = argparse.ArgumentParser()
     p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=30, help="SpecForge optimiser steps")
+    p.add_argument("--speculators-epochs", type=int, default=8, help="speculators epochs (about 4 steps each here)")
     p.add_argument("--out", default=os.path.join(REPO, "benchmark", "results", "train_smoke_cpu.json"))
     a = p.parse_args()
     from harness.bench import provenance
@@ -162,7 +165,7 @@ def main():
     work = tempfile.mkdtemp(prefix="train-smoke-", dir="/dev/shm")
     try:
         data = capture_and_convert(work, a.samples)
-        runs = {"speculators": train_speculators(work, data["model"], a.steps),
+        runs = {"speculators": train_speculators(work, data["model"], a.speculators_epochs),
                 "specforge": train_specforge(work, a.steps)}
     finally:
         shutil.rmtree(os.path.join(work, "export"), ignore_errors=True)

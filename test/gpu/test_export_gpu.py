@@ -88,6 +88,13 @@ def test_graphs_on_and_off_agree_and_match_hf(servers):
         worst = max(worst, rel)
     record("graphs_on_vs_off_max_rel_diff", worst)
     assert worst < 2e-2, worst
+    # export.json records the numerics as each scheduler saw them: the GPU and whether graphs ran.
+    for s, graphs_off in ((on, False), (off, True)):
+        numerics = json.load(open(os.path.join(s.export_dir, "export.json")))["numerics"]
+        record(f"numerics_{'graphs_off' if graphs_off else 'graphs_on'}", numerics)
+        assert numerics["gpu"]["capability"] == list(torch.cuda.get_device_capability())
+        assert numerics["gpu"]["name"] == torch.cuda.get_device_name()
+        assert numerics["disable_cuda_graph"] is graphs_off and numerics["attention_backend"] == "triton"
     for name, s in (("graphs_on", on), ("graphs_off", off)):
         rep = verify_export(s.export_dir, samples=None, device="cuda")
         print(name, "\n" + rep.table())
