@@ -233,3 +233,41 @@ def test_inspect(export, tmp_path):
     assert ways["template"]["chat_template_sha256"] == chat_template_sha256(export[2].chat_template)
     assert r["capture"]["without_provenance"] == 0 and r["server"]["architecture"] == "LlamaForCausalLM"
     os.remove(os.path.join(d, "capture_failed.jsonl"))
+
+
+def test_a_float32_export_trains_with_specforges_bf16_target_head(export, trainers, tmp_path, tiny_path):
+    """A CPU server run with --dtype float32 exports float32 states; SpecForge 0.2.0's target
+    head is bf16 and failed on them (found by benchmark/train_smoke_cpu.py): they are written as
+    bf16, and its head takes the loader's target."""
+    from specforge.algorithms.eagle3.data import build_offline_normalizer, build_offline_reader
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    d, samples, _ = export
+    d32 = str(tmp_path / "export32")
+    os.makedirs(d32)
+    write_test_export_json(d32, 64, aux_layer_ids=LAYERS, model_path=tiny_path, num_layers=8)
+    info = json.load(open(os.path.join(d32, "export.json")))
+    info["dtype"] = "float32"
+    json.dump(info, open(os.path.join(d32, "export.json"), "w"))
+    sid, (ids, mask, _, planes) = next(iter(samples.items()))
+    st = RequestState(rid=sid, prompt_ids=ids, options=RequestOptions(loss_mask=mask, call_id="c"))
+    _, segs, _ = plan_forward([st], [0], [len(ids)])
+    piece = Piece(planes[:, :-1].contiguous(), planes[:, -1].contiguous(), None)
+    split_rows([piece], segs)
+    piece.release()
+    w = SampleWriter(d32, "dp0", LAYERS, SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None)
+    w.submit(st, lambda: False)
+    w.close()
+    dest = str(tmp_path / "sf32")
+    rep = to_specforge(d32, dest)
+    assert any("written as bfloat16" in n for n in rep.notes)
+    refs = build_offline_reader(dest, run_id="t", ttt_length=7, max_len=4096).read()
+    batch = next(iter(FeatureDataLoader(LocalFeatureStore("t"), refs=refs, batch_size=1,
+                                        per_sample_transform=build_offline_normalizer(4096)))).tensors
+    head = TargetHead(os.path.join(dest, "target_model"))
+    head.load_weights(os.path.join(dest, "target_model"), lm_head_key="model.embed_tokens.weight")
+    head.to(torch.bfloat16)
+    logits = head(batch["target"])
+    assert logits.shape[-2:] == (len(ids), 49152) and torch.isfinite(logits).all()

@@ -172,12 +172,16 @@ def to_specforge(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions(
         os.makedirs(folder, exist_ok=True)
         n = t["token_ids"].shape[0]
         longest = max(longest, n)
+        # SpecForge 0.2.0's target head runs in bf16 and multiplies our final state by it: a
+        # float32 export (a CPU server run with --dtype float32) is written as bf16.
         torch.save({
             "input_ids": t["token_ids"].long(),
             "loss_mask": masks(idx, t),
-            "hidden_state": t["final_hidden_states"][None].clone(),
-            "aux_hidden_state": t["aux_hidden_states"].reshape(1, n, -1).clone(),
+            "hidden_state": t["final_hidden_states"][None].to(torch.bfloat16).clone(),
+            "aux_hidden_state": t["aux_hidden_states"].reshape(1, n, -1).to(torch.bfloat16).clone(),
         }, os.path.join(folder, f"data_{idx}.ckpt"))
+    if ds.info.get("dtype") not in (None, "bfloat16"):
+        rep.notes.append(f"states exported as {ds.info['dtype']} are written as bfloat16 (SpecForge's target head is bf16)")
     target, lm_head_key = specforge_target(model, dest)
     if target != model:
         rep.notes.append(f"target_model/ links {model} and adds the checkpoint index SpecForge's target head reads")
