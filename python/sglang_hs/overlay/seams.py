@@ -134,6 +134,8 @@ def from_cli_args(original, cls, args):
     """
     if getattr(args, "platform_preset", None):
         _apply_platform_preset(args)
+    else:  # not one inherited from another launch: export.json names only this launch's preset
+        os.environ.pop(ENV_PRESET, None)
     server_args = original(cls, args)
     out_dir = getattr(args, "export_hidden_states_dir", None)
     if out_dir is None:
@@ -319,8 +321,6 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
 
 def _numerics(sa, runner) -> dict:
     """What the exported numbers depend on beyond the model, as this scheduler process sees it."""
-    import torch
-
     from sglang_hs.overlay.presets import recorded_env
 
     gpu = None
