@@ -20,13 +20,16 @@ from safetensors import safe_open
 
 from sglang_hs.protocol import DuplicateSampleError, SampleIdError
 
-FORMAT_VERSION = "sglang-hs/1"
+# /2 adds fp8 planes with per-row scales and final rows at loss positions only; a /1 file is a
+# /2 file stored in the model's dtype with every final row, and reads the same.
+FORMAT_VERSION = "sglang-hs/2"
 EXPORT_JSON = "export.json"
 MANIFEST = "manifest.jsonl"
 FILES_PER_SHARD = 10_000
 
 REQUIRED_KEYS = ("token_ids", "aux_hidden_states", "final_hidden_states")
-OPTIONAL_KEYS = ("loss_mask",)
+SCALE_KEYS = ("aux_hidden_states_scale", "final_hidden_states_scale")
+OPTIONAL_KEYS = ("loss_mask", *SCALE_KEYS, "final_positions")
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 
@@ -54,7 +57,7 @@ def _fsync_dir(path: str) -> None:
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
-              torch.int32: "I32", torch.uint8: "U8"}
+              torch.int32: "I32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 
 Parts = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -185,16 +188,19 @@ def write_export_json(out_dir: str, info: dict) -> None:
 
 
 # Keys of export.json that must match when a server appends to an existing directory.
-IDENTITY_KEYS = ("model_path", "aux_layer_ids", "hidden_size", "num_layers", "dtype")
+IDENTITY_KEYS = ("model_path", "aux_layer_ids", "hidden_size", "num_layers", "dtype", "export_dtype", "final_rows")
+# What a directory written before a key existed holds (format sglang-hs/1).
+_IDENTITY_DEFAULTS = {"export_dtype": None, "final_rows": "all"}
 
 
 def check_compatible(existing: dict, new: Mapping[str, object]) -> None:
-    diff = {k: (existing.get(k), new[k]) for k in IDENTITY_KEYS if k in new and existing.get(k) != new[k]}
+    diff = {k: (existing.get(k, _IDENTITY_DEFAULTS.get(k)), new[k]) for k in IDENTITY_KEYS
+            if k in new and existing.get(k, _IDENTITY_DEFAULTS.get(k)) != new[k]}
     if diff:
         detail = ", ".join(f"{k}: {a!r} there vs {b!r} now" for k, (a, b) in diff.items())
         raise ValueError(
             f"the export directory already holds samples of another configuration ({detail}). "
-            "Use a new --export-hidden-states-dir or the same model and layers."
+            "Use a new --export-hidden-states-dir or the same model, layers and storage."
         )
 
 
@@ -205,6 +211,86 @@ def chat_template_sha256(template) -> Optional[str]:
         return None
     text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+# --------------------------------------------------------------------------------------
+# Storage of the planes: --export-dtype and --export-final-rows
+# --------------------------------------------------------------------------------------
+
+# --export-dtype values and what they store; None (the default) stores the model's dtype.
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+FINAL_ROWS = ("all", "loss")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# The scale is rounded up by more than a bf16 rounding step, so the row's largest entry never
+# lands above FP8_MAX when the division runs in bf16 (where it is computed on the device).
+_SCALE_MARGIN = 1.0 + 2.0 ** -7
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """How samples store their planes: `dtype` (an EXPORT_DTYPES name, None for the model's
+    own dtype) and which final rows (`all`, or `loss`: only at loss-mask positions)."""
+
+    dtype: Optional[str] = None
+    final_rows: str = "all"
+
+    def __post_init__(self):
+        if self.dtype is not None and self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}, got {self.dtype!r}")
+        if self.final_rows not in FINAL_ROWS:
+            raise ValueError(f"final rows must be one of {', '.join(FINAL_ROWS)}, got {self.final_rows!r}")
+
+    @property
+    def scaled(self) -> bool:
+        return self.dtype == "fp8_e4m3"
+
+    def row_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return EXPORT_DTYPES[self.dtype] if self.dtype else model_dtype
+
+    @classmethod
+    def of_export(cls, info: Mapping) -> "Storage":
+        """From export.json (a /1 directory has neither key: model dtype, every final row)."""
+        return cls(info.get("export_dtype"), info.get("final_rows", "all"))
+
+
+def quantize_rows(x: torch.Tensor):
+    """(fp8 e4m3 [..., H], float32 scale [...]): one scale per row, amax / 448, so each row
+    uses fp8's whole range; dequantized = q * scale. A zero row gets the smallest normal
+    float32 as its scale (and zeros), never 0/0. Runs where x is (on the GPU before the copy
+    to the host, so the copy shrinks too) and divides `x` in place when it is bf16 or float32
+    (the caller's own gathered rows), so no full-size temporary is made."""
+    work = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()
+    amax = work.abs().amax(dim=-1).float()
+    scale = (amax * (_SCALE_MARGIN / FP8_MAX)).clamp_min(torch.finfo(torch.float32).tiny)
+    scale = scale.to(work.dtype).float()  # the divisor actually used, exactly
+    q = work.div_(scale.to(work.dtype).unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def decode_sample(t: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """A sample's tensors with its planes in `dtype` whatever their storage: fp8 planes are
+    dequantized with their scales (the scale keys are consumed). `final_positions`, when
+    present, says which positions the final rows are of (see `final_at_every_position`)."""
+    t = dict(t)
+    for key in ("aux_hidden_states", "final_hidden_states"):
+        scale = t.pop(f"{key}_scale", None)
+        t[key] = dequantize_rows(t[key], scale, dtype) if scale is not None else t[key].to(dtype)
+    return t
+
+
+def final_at_every_position(t: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[T, H]: the final rows of a decoded sample at their positions, zeros where the export
+    kept none (`--export-final-rows loss`: positions outside the loss mask)."""
+    fin = t["final_hidden_states"]
+    pos = t.get("final_positions")
+    if pos is None:
+        return fin
+    full = fin.new_zeros((t["token_ids"].shape[0], fin.shape[-1]))
+    full[pos.long()] = fin
+    return full
 
 
 # How a sample's loss mask was made, in its provenance: from the model's chat template by
@@ -334,27 +420,52 @@ def sample_errors(info: Mapping, sid: str, path: str, num_tokens: Optional[int] 
     extra = [k for k in t if k not in REQUIRED_KEYS + OPTIONAL_KEYS]
     if missing or extra:
         return [f"missing keys {missing}, unexpected keys {extra}"], -1
+    storage = Storage.of_export(info)
     hidden, k_aux = info["hidden_size"], len(info["aux_layer_ids"])
-    dtype = _DTYPES.get(info["dtype"])
+    model_dtype = _DTYPES.get(info["dtype"])
+    dtype = storage.row_dtype(model_dtype) if model_dtype is not None or storage.dtype else None
     tok, aux, fin = t["token_ids"], t["aux_hidden_states"], t["final_hidden_states"]
     n = tok.shape[0] if tok.dim() == 1 else -1
+    lm = t.get("loss_mask")
+    pos = t.get("final_positions")
+    if storage.final_rows == "loss":
+        if lm is None or pos is None:
+            return [f"final rows are kept at loss positions only, but the file has no "
+                    f"{'loss_mask' if lm is None else 'final_positions'}"], n
+        r = pos.shape[0]
+        at_loss = torch.nonzero(lm.to(torch.int64) == 1).flatten()
+        pos_ok = pos.dtype == torch.int64 and pos.dim() == 1 and torch.equal(pos, at_loss)
+    else:
+        r, pos_ok = n, pos is None
     checks = [
         (tok.dim() == 1 and not tok.is_floating_point(), f"token_ids {tuple(tok.shape)} {tok.dtype}"),
         (tuple(aux.shape) == (n, k_aux, hidden), f"aux_hidden_states {tuple(aux.shape)} != {(n, k_aux, hidden)}"),
-        (tuple(fin.shape) == (n, hidden), f"final_hidden_states {tuple(fin.shape)} != {(n, hidden)}"),
-        (dtype is None or (aux.dtype == dtype and fin.dtype == dtype), f"dtype {aux.dtype}/{fin.dtype} != {info['dtype']}"),
+        (tuple(fin.shape) == (r, hidden), f"final_hidden_states {tuple(fin.shape)} != {(r, hidden)}"),
+        (dtype is None or (aux.dtype == dtype and fin.dtype == dtype), f"dtype {aux.dtype}/{fin.dtype} != {dtype}"),
+        (pos_ok, "final_positions must be the loss mask's positions (int64), and only with --export-final-rows loss"),
         (num_tokens is None or num_tokens == n, f"manifest num_tokens {num_tokens} != {n}"),
         (meta.get("id") == sid, f"metadata id {meta.get('id')!r}"),
         (meta.get("aux_layer_ids") == json.dumps(info["aux_layer_ids"]), f"metadata aux_layer_ids {meta.get('aux_layer_ids')}"),
     ]
-    if "loss_mask" in t:
-        lm = t["loss_mask"]
+    scales = [t.get(k) for k in SCALE_KEYS]
+    if storage.scaled:
+        a_s, f_s = scales
+        checks.append((a_s is not None and f_s is not None and a_s.dtype == f_s.dtype == torch.float32
+                       and tuple(a_s.shape) == (n, k_aux) and tuple(f_s.shape) == (r,),
+                       f"fp8 planes need float32 scales [{n}, {k_aux}] and [{r}]"))
+        if check_values and a_s is not None and f_s is not None:
+            checks.append((bool(torch.isfinite(a_s).all() and torch.isfinite(f_s).all()
+                                and (a_s > 0).all() and (f_s > 0).all()), "scales must be finite and > 0"))
+    else:
+        checks.append((all(x is None for x in scales), f"scale keys in a {dtype} export"))
+    if lm is not None:
         checks.append((lm.dtype == torch.uint8 and tuple(lm.shape) == (n,) and bool(((lm == 0) | (lm == 1)).all()),
                        f"loss_mask {tuple(lm.shape)} {lm.dtype} must be [T] uint8 of 0/1"))
     if expected_tokens is not None:
         checks.append((tok.tolist() == list(expected_tokens), "token_ids differ from the client's tokens"))
     if check_values:
-        checks.append((bool(torch.isfinite(aux).all() and torch.isfinite(fin).all()), "NaN or Inf in hidden states"))
+        checks.append((bool(torch.isfinite(aux.float()).all() and torch.isfinite(fin.float()).all()),
+                       "NaN or Inf in hidden states"))
     return [msg for ok, msg in checks if not ok], n
 
 

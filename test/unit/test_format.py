@@ -175,3 +175,121 @@ def test_a_short_manifest_write_raises_and_leaves_no_torn_line(tmp_path):
     r = subprocess.run([sys.executable, "-c", SHORT_WRITE, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert r.stdout.startswith("RAISED"), r.stdout + r.stderr
     assert open(tmp_path / "manifest.jsonl").read() == '{"id": "a", "path": "dp0-00000/a.safetensors", "num_tokens": 3}\n'
+
+
+# --------------------------------------------------------------------------------------
+# Storage: fp8 planes with a scale per row and plane, final rows at loss positions
+# --------------------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hs  # noqa: E402
+
+from sglang_hs.format import FP8_MAX, Storage, decode_sample, dequantize_rows, quantize_rows  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=hs.integers(1, 6), width=hs.integers(1, 64), log_mag=hs.floats(-44, 38), dtype=hs.sampled_from(
+    [torch.float32, torch.bfloat16, torch.float16]), zero_row=hs.booleans(), outlier=hs.floats(1, 1e6),
+    seed=hs.integers(0, 2 ** 16))
+def test_fp8_scaling_never_makes_nan_or_inf_and_keeps_each_row(rows, width, log_mag, dtype, zero_row, outlier, seed):
+    """Zero rows, rows near float32's largest and smallest (subnormal) values, one huge
+    outlier per row: finite fp8 and scales, and each row back within fp8's rounding (3
+    mantissa bits: 1/16 relative per entry) plus what falls below its subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    mag = min(10.0 ** log_mag, torch.finfo(dtype).max / 4 / max(outlier, 1))
+    x = (torch.randn(rows, width, generator=g) * mag)
+    x[:, 0] *= outlier
+    if zero_row:
+        x[0] = 0
+    x = x.to(dtype)
+    if not torch.isfinite(x).all():
+        return  # the input itself overflowed this dtype
+    want = x.float()
+    q, scale = quantize_rows(x.clone())
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and tuple(scale.shape) == (rows,)
+    assert torch.isfinite(q.float()).all() and torch.isfinite(scale).all() and (scale > 0).all()
+    assert q.float().abs().max() <= FP8_MAX
+    back = dequantize_rows(q, scale)
+    assert torch.isfinite(back).all()
+    amax = want.abs().amax(dim=-1, keepdim=True)
+    # per entry: 1/16 relative in fp8's normal range, at most half its smallest subnormal step below
+    bound = want.abs() / 16 + amax * (2.0 ** -9 / FP8_MAX) * 1.01 + 2 * torch.finfo(torch.float32).tiny
+    assert bool(((back - want).abs() <= bound).all())
+    if zero_row:
+        assert bool((back[0] == 0).all())
+
+
+def test_fp8_rows_of_hidden_state_statistics_keep_cosine_above_0999():
+    """Rows shaped like a transformer's residual stream (a few massive-activation channels)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 3, 576, generator=g)
+    x[..., [7, 300]] *= 200
+    back = dequantize_rows(*quantize_rows(x.clone()))
+    cos = torch.nn.functional.cosine_similarity(back, x, dim=-1)
+    assert float(cos.mean()) >= 0.9995 and float(cos.min()) >= 0.999
+
+
+def storage_export(tmp_path, storage, overrides=None):
+    """A directory of two fp8/loss-row samples written the way the writer lays them out."""
+    d = str(tmp_path)
+    os.makedirs(d, exist_ok=True)
+    write_test_export_json(d, H, export_dtype=storage.dtype, final_rows=storage.final_rows)
+    fd = open_manifest(d)
+    os.makedirs(os.path.join(d, "dp0-00000"))
+    mask = torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8)
+    pos = torch.nonzero(mask).flatten()
+    for i in range(2):
+        sid = f"s{i}"
+        aux, fin = torch.randn(5, K, H).bfloat16(), torch.randn(5, H).bfloat16()
+        if storage.final_rows == "loss":
+            fin = fin[pos]
+        t = {"token_ids": torch.arange(5), "loss_mask": mask}
+        if storage.scaled:
+            (qa, sa), (qf, sf) = quantize_rows(aux), quantize_rows(fin)
+            t |= {"aux_hidden_states": qa, "aux_hidden_states_scale": sa, "final_hidden_states": qf,
+                  "final_hidden_states_scale": sf}
+        else:
+            t |= {"aux_hidden_states": aux, "final_hidden_states": fin}
+        if storage.final_rows == "loss":
+            t["final_positions"] = pos
+        t.update((overrides or {}).get(sid, {}))
+        rel = f"dp0-00000/{sid}.safetensors"
+        write_sample_file(os.path.join(d, rel), t, {"id": sid, "aux_layer_ids": json.dumps([2, 5, 7])})
+        append_manifest(fd, sid, rel, 5)
+    os.close(fd)
+    return d
+
+
+@pytest.mark.parametrize("storage", [Storage("fp8_e4m3"), Storage(None, "loss"), Storage("fp8_e4m3", "loss")])
+def test_fp8_and_loss_row_exports_validate_and_decode(tmp_path, storage):
+    d = storage_export(tmp_path, storage)
+    rep = validate_export(d)
+    assert rep.ok, rep.errors
+    from sglang_hs.format import final_at_every_position, load_sample
+
+    t = decode_sample(load_sample(os.path.join(d, "dp0-00000/s0.safetensors")), torch.bfloat16)
+    assert not any(k.endswith("_scale") for k in t) and t["aux_hidden_states"].dtype == torch.bfloat16
+    full = final_at_every_position(t)
+    assert full.shape == (5, H) and bool((full[[0, 3]] == 0).all()) == (storage.final_rows == "loss")
+
+
+def test_validator_finds_storage_damage(tmp_path):
+    bad_scale = torch.ones(5, K)
+    bad_scale[1, 2] = float("inf")
+    d = storage_export(tmp_path / "a", Storage("fp8_e4m3", "loss"),
+                       {"s0": {"aux_hidden_states_scale": bad_scale},
+                        "s1": {"final_positions": torch.tensor([1, 2, 3])}})
+    text = "\n".join(validate_export(d).errors)
+    assert "scales must be finite and > 0" in text and "final_positions must be the loss mask's positions" in text
+    d = storage_export(tmp_path / "b", Storage("fp8_e4m3"), {"s0": {"final_hidden_states_scale": torch.ones(4)}})
+    assert "fp8 planes need float32 scales" in "\n".join(validate_export(d).errors)
+
+
+def test_a_directory_of_another_storage_is_refused(tmp_path):
+    info = write_test_export_json(str(tmp_path), H)
+    old = {k: v for k, v in info.items() if k not in ("export_dtype", "final_rows")}  # format sglang-hs/1
+    check_compatible(old, {"export_dtype": None, "final_rows": "all"})
+    with pytest.raises(ValueError, match="export_dtype"):
+        check_compatible(old, {"export_dtype": "fp8_e4m3"})
+    with pytest.raises(ValueError, match="final_rows"):
+        check_compatible(info, {"final_rows": "loss"})

@@ -116,46 +116,70 @@ def test_an_opted_out_request_has_no_state():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
-from sglang_hs.format import load_sample, read_manifest  # noqa: E402
+from sglang_hs.format import Storage, decode_sample, load_sample, read_manifest, validate_export  # noqa: E402
 
 K_AUX = [1, 3]
+FINAL_PLANE = 7
+DIGITS = H - 2  # base-8 digits of a row's code
 
 
 def rows_of(batch):
-    """A forward's rows: aux[k][:, 0] and final[:, 0] hold (request index * 10000 + position),
-    column 1 holds the plane, for every extend token back to back."""
-    codes = [i * 10000 + pos for i, p, e in batch for pos in range(p, p + e)]
-    base = torch.tensor(codes, dtype=torch.float32)[:, None].repeat(1, H)
+    """A forward's rows, for every extend token back to back: column 0 is 15 (every row's
+    largest entry, so even fp8 storage gives back each small integer after rounding), column 1
+    the plane (aux k, or FINAL_PLANE), the rest the base-8 digits of request index * 10000 +
+    position."""
+    codes = torch.tensor([i * 10000 + pos for i, p, e in batch for pos in range(p, p + e)])
+    base = torch.zeros(len(codes), H)
+    base[:, 0] = 15
+    for d in range(DIGITS):
+        base[:, 2 + d] = (codes // 8 ** d) % 8
     aux = []
     for k in range(len(K_AUX)):
         a = base.clone()
         a[:, 1] = k
         aux.append(a)
     final = base.clone()
-    final[:, 1] = -1
+    final[:, 1] = FINAL_PLANE
     return final, aux
 
 
-@settings(max_examples=40, deadline=None)
+def codes_of(rows):
+    """(code, plane) of each decoded row [..., H]."""
+    r = rows.float().round().long()
+    code = sum(r[..., 2 + d] * 8 ** d for d in range(DIGITS))
+    return code, r[..., 1]
+
+
+@settings(max_examples=60, deadline=None)
 @given(data=hs.data(), lengths=hs.lists(hs.integers(1, 40), min_size=1, max_size=5),
-       slab_rows=hs.integers(1, 16))
-def test_every_prompt_position_lands_once_and_every_slab_comes_back(data, lengths, slab_rows):
+       slab_rows=hs.integers(1, 16), export_dtype=hs.sampled_from([None, "bf16", "fp8_e4m3"]),
+       final_rows=hs.sampled_from(["all", "loss"]))
+def test_every_prompt_position_lands_once_and_every_slab_comes_back(data, lengths, slab_rows, export_dtype,
+                                                                    final_rows):
     """Random chunk sizes, batches, restarts after retraction (a shorter prefix than held),
-    aborts mid-prefill and slab sizes: each written sample holds positions 0..T-1 once, in
-    order, from its own request; aborted ones are never written; the ranks decide the same
-    prefix caps; every slab returns to the pool."""
+    aborts mid-prefill, slab sizes and storages (model dtype, bf16, fp8 with scales; final
+    rows everywhere or at loss positions only): each written sample holds positions 0..T-1
+    once, in order, from its own request (final rows: exactly those of its loss mask);
+    aborted ones are never written; the ranks decide the same prefix caps; every slab returns
+    to the pool; the directory validates."""
     import tempfile
 
+    from harness.fixtures import write_test_export_json
+
+    storage = Storage(export_dtype, final_rows)
     with tempfile.TemporaryDirectory() as d:
+        write_test_export_json(d, hidden_size=H, aux_layer_ids=K_AUX, num_layers=8, dtype="float32",
+                               export_dtype=export_dtype, final_rows=final_rows)
         outcomes = []
         row_bytes = (len(K_AUX) + 1) * H * 4
         writer = SampleWriter(d, "dp0", K_AUX, SlabPool(1 << 24, slab_bytes=slab_rows * row_bytes), outcomes.append,
-                              threads=2)
+                              threads=2, storage=storage)
         ranks = [ExportRuntime(K_AUX, writer, "tp0"), ExportRuntime(K_AUX, None, "tp1")]
         aborted = [False] * len(lengths)
         prompts = [list(range(1000 * i, 1000 * i + n)) for i, n in enumerate(lengths)]
-        sts = [[rt.new_state(f"r{i}", p, None, lambda i=i: aborted[i]) for i, p in enumerate(prompts)]
-               for rt in ranks]
+        masks = [data.draw(hs.lists(hs.integers(0, 1), min_size=n, max_size=n)) for n in lengths]
+        sts = [[rt.new_state(f"r{i}", p, {"sglang_hs": {"loss_mask": masks[i]}}, lambda i=i: aborted[i])
+                for i, p in enumerate(prompts)] for rt in ranks]
         for _ in range(40):
             live = [i for i, st in enumerate(sts[0]) if not st.planned and not aborted[i]]
             if not live:
@@ -178,7 +202,7 @@ def test_every_prompt_position_lands_once_and_every_slab_comes_back(data, length
         # every request aborted since its last chunk.
         for i, st in enumerate(sts[0]):
             aborted[i] = aborted[i] or not st.planned
-        extra = [rt.new_state("sweep", [1], None, lambda: False) for rt in ranks]
+        extra = [rt.new_state("sweep", [1], {"sglang_hs": {"loss_mask": [1]}}, lambda: False) for rt in ranks]
         for rt, st in zip(ranks, extra):
             if rt.begin_forward([st], [0], [1]):
                 rt.stage(*rows_of([(99, 0, 1)]))
@@ -197,8 +221,18 @@ def test_every_prompt_position_lands_once_and_every_slab_comes_back(data, length
                 assert rid not in listed and (rid not in by_rid or by_rid[rid].aborted)
                 continue
             assert by_rid[rid].ok and rid in listed
-            t = load_sample(os.path.join(d, listed[rid]["path"]))
-            want = torch.arange(lengths[i], dtype=torch.float32) + i * 10000
-            assert torch.equal(t["final_hidden_states"][:, 0], want)
-            assert torch.equal(t["aux_hidden_states"][:, :, 0], want[:, None].repeat(1, len(K_AUX)))
-            assert t["aux_hidden_states"][:, :, 1].tolist() == [list(range(len(K_AUX)))] * lengths[i]
+            raw = load_sample(os.path.join(d, listed[rid]["path"]))
+            assert raw["aux_hidden_states"].dtype == storage.row_dtype(torch.float32)
+            t = decode_sample(raw, torch.float32)
+            want = torch.arange(lengths[i]) + i * 10000
+            code, plane = codes_of(t["aux_hidden_states"])
+            assert torch.equal(code, want[:, None].repeat(1, len(K_AUX)))
+            assert plane.tolist() == [list(range(len(K_AUX)))] * lengths[i]
+            code, plane = codes_of(t["final_hidden_states"])
+            if final_rows == "loss":
+                at = torch.nonzero(torch.tensor(masks[i])).flatten()
+                assert torch.equal(t["final_positions"], at)
+                want = want[at]
+            assert torch.equal(code, want) and bool((plane == FINAL_PLANE).all())
+        rep = validate_export(d)
+        assert rep.ok, rep.errors

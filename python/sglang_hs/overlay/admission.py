@@ -29,7 +29,7 @@ class Admission:
 
 def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_num: int,
           has_input_embeds: bool, exported: Set[str], call_id: str,
-          skip_prefix: Optional[str] = None) -> Admission:
+          skip_prefix: Optional[str] = None, need_loss_mask: bool = False) -> Admission:
     """Validate one normalised /generate call and tag each exported entry with `call_id`.
 
     rids: one per entry; sampling_params: one dict per entry (a batch that shared one dict
@@ -55,6 +55,12 @@ def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_
         if has_input_embeds:
             raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
         check_sample_id(rid)
+        if need_loss_mask and opts.loss_mask is None:
+            raise RequestOptionsError(
+                f"request {rid!r} has no loss_mask, and this server keeps final-state rows only at loss "
+                "positions (--export-final-rows loss): send custom_params "
+                f'{{"{REQUEST_KEY}": {{"loss_mask": [0/1 per prompt token]}}}} (sglang-hs capture does), '
+                "or use a server started with --export-final-rows all")
         if rid in exported:
             raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
                                        "(exported samples are never overwritten)")

@@ -11,7 +11,7 @@ import uuid
 from typing import Optional, Sequence, Tuple
 
 from sglang_hs import __version__
-from sglang_hs.format import FORMAT_VERSION
+from sglang_hs.format import FORMAT_VERSION, Storage
 
 
 class ExportConfigError(ValueError):
@@ -34,6 +34,13 @@ class ExportConfig:
     notify_addr: str = ""
     # Export a model class sglang-hs has not compared with HF (sglang_hs.overlay.aux_layers).
     allow_untested_model: bool = False
+    # --export-dtype (None: the model's dtype) and --export-final-rows (format.Storage).
+    export_dtype: Optional[str] = None
+    final_rows: str = "all"
+
+    @property
+    def storage(self) -> Storage:
+        return Storage(self.export_dtype, self.final_rows)
 
     @staticmethod
     def new_notify_addr() -> str:
@@ -97,7 +104,8 @@ def export_info(*, model_path: str, architecture: str, hidden_size: int, num_lay
                 aux_layer_ids: Sequence[int], attention_backend: Optional[str], device: str, tp_size: int,
                 dp_size: int, sglang_version: str, tokenizer_path: Optional[str] = None,
                 chat_template_sha256: Optional[str] = None, quantization: Optional[str] = None,
-                kv_cache_dtype: Optional[str] = None, numerics: Optional[dict] = None) -> dict:
+                kv_cache_dtype: Optional[str] = None, numerics: Optional[dict] = None,
+                storage: Storage = Storage()) -> dict:
     """export.json: what the directory holds and what the numbers were computed with."""
     return {
         "format": FORMAT_VERSION,
@@ -106,6 +114,10 @@ def export_info(*, model_path: str, architecture: str, hidden_size: int, num_lay
         "hidden_size": hidden_size,
         "num_layers": num_layers,
         "dtype": dtype,
+        # How the planes are stored: None = in `dtype`; "fp8_e4m3" = fp8 with a float32 scale
+        # per row and plane. final_rows "loss": final rows only at loss-mask positions.
+        "export_dtype": storage.dtype,
+        "final_rows": storage.final_rows,
         "aux_layer_ids": list(aux_layer_ids),
         "layer_id_convention": "hf_output_hidden_states",
         "final_is_post_norm": True,

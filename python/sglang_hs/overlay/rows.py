@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from sglang_hs.format import Storage, quantize_rows
 from sglang_hs.overlay.staging import Piece
 from sglang_hs.protocol import Outcome, RequestOptions, RequestOptionsError
 
@@ -149,6 +150,18 @@ def gather_rows(final: torch.Tensor, aux: AuxStates, index: torch.Tensor, num_au
     return aux_rows, final.index_select(0, index)
 
 
+def storage_planes(aux_rows: torch.Tensor, final_rows: torch.Tensor, storage: Storage) -> List[torch.Tensor]:
+    """A forward's gathered rows as they are stored, on their device, in `Piece.planes` order:
+    [aux, final] in the stored dtype, or fp8 [aux, final, aux_scale, final_scale]. Quantizes
+    the gathered rows in place (they are the caller's own copies)."""
+    if storage.scaled:
+        qa, sa = quantize_rows(aux_rows)
+        qf, sf = quantize_rows(final_rows)
+        return [qa, qf, sa, sf]
+    dt = storage.row_dtype(final_rows.dtype)
+    return [aux_rows.to(dt), final_rows.to(dt)]
+
+
 def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any = None) -> List[RequestState]:
     """Hand each segment its rows out of the forward's staged pieces (which hold the
     exported rows back to back, in segment order); return the requests whose prompt is now
@@ -164,7 +177,7 @@ def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any 
             take = min(need, cur.rows - pos)
             if cur.slab is not None:
                 cur.slab.ref()
-            pieces.append(Piece(cur.aux[pos:pos + take], cur.final[pos:pos + take], cur.slab))
+            pieces.append(cur.slice(pos, pos + take))
             pos += take
             need -= take
         if st.dropped:  # failed or aborted meanwhile
@@ -179,19 +192,39 @@ def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any 
     return complete
 
 
-def build_sample(st: RequestState) -> Dict[str, Union[torch.Tensor, List[torch.Tensor]]]:
+def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Union[torch.Tensor, List[torch.Tensor]]]:
     """The sample's tensors for `format.write_sample_file`: lists of pieces are written one
-    after the other (the rows of successive chunks), never concatenated in memory."""
+    after the other (the rows of successive chunks), never concatenated in memory. With
+    final rows at loss positions only, each piece's final rows at those positions are kept."""
+    pieces = st.pieces
     tensors: Dict[str, Union[torch.Tensor, List[torch.Tensor]]] = {
         "token_ids": torch.tensor(list(st.prompt_ids), dtype=torch.int64),
-        "aux_hidden_states": [p.aux for p in st.pieces],
-        "final_hidden_states": [p.final for p in st.pieces],
+        "aux_hidden_states": [p.aux for p in pieces],
     }
-    if st.options.loss_mask is not None:
-        if len(st.options.loss_mask) != st.prompt_len:
+    mask = st.options.loss_mask
+    if mask is not None:
+        if len(mask) != st.prompt_len:
             raise RequestOptionsError(
-                f"loss_mask has {len(st.options.loss_mask)} entries but the prompt has "
+                f"loss_mask has {len(mask)} entries but the prompt has "
                 f"{st.prompt_len} tokens; send one 0/1 per prompt token"
             )
-        tensors["loss_mask"] = torch.tensor(st.options.loss_mask, dtype=torch.uint8)
+        tensors["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
+    if storage.final_rows == "loss":
+        if mask is None:  # admission refuses these; a guard, not a path
+            raise RequestOptionsError("this server keeps final rows at loss positions only: send a loss_mask")
+        pos = torch.nonzero(tensors["loss_mask"]).flatten()
+        tensors["final_positions"] = pos
+        cut, start = [], 0
+        for p in pieces:
+            local = pos[(pos >= start) & (pos < start + p.rows)] - start
+            cut.append((p.final.index_select(0, local),
+                        None if p.final_scale is None else p.final_scale.index_select(0, local)))
+            start += p.rows
+        finals, final_scales = [c[0] for c in cut], [c[1] for c in cut]
+    else:
+        finals, final_scales = [p.final for p in pieces], [p.final_scale for p in pieces]
+    tensors["final_hidden_states"] = finals
+    if storage.scaled:
+        tensors["aux_hidden_states_scale"] = [p.aux_scale for p in pieces]
+        tensors["final_hidden_states_scale"] = final_scales
     return tensors

@@ -14,8 +14,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from sglang_hs.overlay.rows import AuxStates, RequestState, Segment, gather_rows, plan_forward, split_rows
-from sglang_hs.overlay.staging import DeviceStager, Piece
+from sglang_hs.overlay.rows import (AuxStates, RequestState, Segment, gather_rows, plan_forward, split_rows,
+                                    storage_planes)
+from sglang_hs.overlay.staging import DeviceStager, Piece, copy_into
 from sglang_hs.overlay.writer import SampleWriter
 from sglang_hs.protocol import parse_request_options
 
@@ -89,17 +90,16 @@ class ExportRuntime:
         if on_gpu:
             index = index.pin_memory().to(final.device, non_blocking=True)
         aux_rows, final_rows = gather_rows(final, aux, index, self.num_aux)
-        fwd.staged = self.writer.pool.pieces(len(fwd.rows), self.num_aux, final_rows.shape[-1], final_rows.dtype)
+        storage = self.writer.storage
+        planes = storage_planes(aux_rows, final_rows, storage)  # fp8: quantized here, before the copy
+        fwd.staged = self.writer.pool.pieces(len(fwd.rows), self.num_aux, final_rows.shape[-1], planes[0].dtype,
+                                             scaled=storage.scaled)
         if on_gpu:
             if self._stager is None:
                 self._stager = DeviceStager(final.device)
-            fwd.ready = self._stager.copy(aux_rows, final_rows, fwd.staged)
+            fwd.ready = self._stager.copy(planes, fwd.staged)
         else:
-            a = 0
-            for p in fwd.staged:
-                p.aux.copy_(aux_rows[a:a + p.rows])
-                p.final.copy_(final_rows[a:a + p.rows])
-                a += p.rows
+            copy_into(planes, fwd.staged)
         self.copies += 1
 
     def end_forward(self) -> None:

@@ -116,6 +116,12 @@ def add_cli_args(result, parser):
                    help="Background threads writing sample files (default 8).")
     g.add_argument("--export-write-timeout", type=float, default=600.0, metavar="S",
                    help="Seconds /generate waits for its sample to be durable (default 600).")
+    g.add_argument("--export-dtype", choices=["bf16", "fp8_e4m3"], default=None,
+                   help="How rows are stored: bf16, or fp8_e4m3 with one float32 scale per row and plane "
+                        "(quantized on the device, about half the bytes). Default: the model's dtype.")
+    g.add_argument("--export-final-rows", choices=["all", "loss"], default="all",
+                   help="Final-state rows at every prompt position (all, the default), or only where the "
+                        "request's loss_mask is 1 (loss: every exported request must send a loss_mask).")
     g.add_argument("--platform-preset", type=str, default=None, metavar="NAME",
                    help="Environment variables (NCCL) and server flags for one kind of machine, from "
                         "sglang_hs/data/presets.json (sm120-pcie-tp8, hopper-nvlink); what you set or give wins.")
@@ -186,7 +192,8 @@ def _check_startup(server_args, args) -> ExportConfig:
         ids = check_aux_layer_ids(args.export_aux_layer_ids, mc.num_hidden_layers)
     existing = read_export_json(out_dir)
     if existing is not None:
-        new = {"model_path": server_args.model_path}
+        new = {"model_path": server_args.model_path, "export_dtype": args.export_dtype,
+               "final_rows": args.export_final_rows}
         if ids is not None:
             new["aux_layer_ids"] = list(ids)
         try:
@@ -208,6 +215,8 @@ def _check_startup(server_args, args) -> ExportConfig:
         write_timeout_s=args.export_write_timeout,
         notify_addr=ExportConfig.new_notify_addr(),
         allow_untested_model=args.export_allow_untested_model,
+        export_dtype=args.export_dtype,
+        final_rows=args.export_final_rows,
     )
 
 
@@ -307,7 +316,7 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
         attention_backend=sa.attention_backend, device=sa.device, tp_size=sa.tp_size, dp_size=sa.dp_size,
         sglang_version=sglang.__version__, tokenizer_path=sa.tokenizer_path,
         chat_template_sha256=_chat_template_sha256(sa), quantization=sa.quantization,
-        kv_cache_dtype=sa.kv_cache_dtype, numerics=_numerics(sa, runner))
+        kv_cache_dtype=sa.kv_cache_dtype, numerics=_numerics(sa, runner), storage=cfg.storage)
     existing = read_export_json(cfg.out_dir)
     if existing is None:
         write_export_json(cfg.out_dir, info)
@@ -316,7 +325,7 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
     dp = runner.ps.attn_dp_rank if sa.enable_dp_attention else (runner.ps.dp_rank or 0)
     pool = SlabPool(cfg.host_buffer_bytes, pin=str(runner.device).startswith("cuda"))
     return SampleWriter(cfg.out_dir, f"dp{dp}", ids, pool,
-                        Notifier(cfg.notify_addr), threads=cfg.writer_threads)
+                        Notifier(cfg.notify_addr), threads=cfg.writer_threads, storage=cfg.storage)
 
 
 def _numerics(sa, runner) -> dict:
@@ -527,7 +536,8 @@ def admit_generate_request(result, self):
     count = len(rids) * self.parallel_sample_num
     params = [self.sampling_params] * count if isinstance(self.sampling_params, dict) else self.sampling_params
     adm = admit(rids, params, self.parallel_sample_num, self.input_embeds is not None, waiter.exported,
-                uuid.uuid4().hex, skip_prefix=HEALTH_CHECK_RID_PREFIX)
+                uuid.uuid4().hex, skip_prefix=HEALTH_CHECK_RID_PREFIX,
+                need_loss_mask=cfg.final_rows == "loss")
     waiter.admit(adm.rids)
     self._sglang_hs = adm
     return None

@@ -18,18 +18,30 @@ import torch
 @dataclasses.dataclass
 class Piece:
     """Consecutive rows of one request in host memory: aux [r, K, H] and final [r, H], both
-    contiguous (so they stream to the file without a copy), and the slab that holds them."""
+    contiguous (so they stream to the file without a copy), their fp8 scales [r, K] and [r]
+    when stored as fp8, and the slab that holds them."""
 
     aux: torch.Tensor
     final: torch.Tensor
     slab: Optional["Slab"] = None  # reference-counted
+    aux_scale: Optional[torch.Tensor] = None
+    final_scale: Optional[torch.Tensor] = None
 
     @property
     def rows(self) -> int:
         return self.aux.shape[0]
 
+    def planes(self) -> List[torch.Tensor]:
+        """What the device copy fills, in the order `storage_planes` returns it."""
+        return [x for x in (self.aux, self.final, self.aux_scale, self.final_scale) if x is not None]
+
+    def slice(self, a: int, b: int) -> "Piece":
+        """Rows [a, b) in the same slab (the caller takes a slab reference for it)."""
+        cut = lambda x: None if x is None else x[a:b]  # noqa: E731
+        return Piece(self.aux[a:b], self.final[a:b], self.slab, cut(self.aux_scale), cut(self.final_scale))
+
     def head(self, n: int) -> "Piece":
-        return Piece(self.aux[:n], self.final[:n], self.slab) if n < self.rows else self
+        return self.slice(0, n) if n < self.rows else self
 
     def release(self) -> None:
         if self.slab is not None:
@@ -105,22 +117,33 @@ class SlabPool:
             self.peak_in_use = max(self.peak_in_use, self.in_use)
             return slab
 
-    def pieces(self, n: int, num_aux: int, hidden: int, dtype: torch.dtype) -> List[Piece]:
-        """Host rows for n exported rows, in slabs: each holds r rows as aux [r, K, H] then
-        final [r, H], both contiguous."""
+    def pieces(self, n: int, num_aux: int, hidden: int, dtype: torch.dtype, scaled: bool = False) -> List[Piece]:
+        """Host rows for n exported rows, in slabs: each holds r rows as (scales first, when
+        `scaled`, so every view is aligned) aux [r, K, H] then final [r, H], contiguous."""
         k = num_aux
         es = torch.empty((), dtype=dtype).element_size()
-        per_slab = self.slab_bytes // ((k + 1) * hidden * es)
+        scale_bytes = (k + 1) * 4 if scaled else 0
+        row_bytes = (k + 1) * hidden * es + scale_bytes
+        per_slab = self.slab_bytes // row_bytes
         if per_slab < 1:
-            raise RuntimeError(f"sglang-hs: one row ({(k + 1) * hidden * es} bytes) exceeds a slab")
+            raise RuntimeError(f"sglang-hs: one row ({row_bytes} bytes) exceeds a slab")
         pieces, a = [], 0
         while a < n:
             r = min(per_slab, n - a)
             slab = self.take()
-            aux_bytes = r * k * hidden * es
-            aux = slab.data[:aux_bytes].view(dtype).view(r, k, hidden)
-            fin = slab.data[aux_bytes:aux_bytes + r * hidden * es].view(dtype).view(r, hidden)
-            pieces.append(Piece(aux, fin, slab))
+            at = 0
+
+            def view(shape, dt, size):
+                nonlocal at
+                x = slab.data[at:at + size].view(dt).view(shape)
+                at += size
+                return x
+
+            a_s = view((r, k), torch.float32, r * k * 4) if scaled else None
+            f_s = view((r,), torch.float32, r * 4) if scaled else None
+            aux = view((r, k, hidden), dtype, r * k * hidden * es)
+            fin = view((r, hidden), dtype, r * hidden * es)
+            pieces.append(Piece(aux, fin, slab, a_s, f_s))
             a += r
         return pieces
 
@@ -157,19 +180,25 @@ class DeviceStager:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def copy(self, aux: torch.Tensor, final: torch.Tensor, pieces: List[Piece]):
+    def copy(self, planes: List[torch.Tensor], pieces: List[Piece]):
+        """planes: the forward's rows as `Piece.planes` orders them, on the device."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            a = 0
-            for p in pieces:
-                p.aux.copy_(aux[a:a + p.rows], non_blocking=True)
-                p.final.copy_(final[a:a + p.rows], non_blocking=True)
-                a += p.rows
+            copy_into(planes, pieces, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        # Keep the gathered device rows alive until the side stream has read them.
-        aux.record_stream(self.stream)
-        final.record_stream(self.stream)
+        # Keep the device rows alive until the side stream has read them.
+        for x in planes:
+            x.record_stream(self.stream)
         return ready
+
+
+def copy_into(planes: List[torch.Tensor], pieces: List[Piece], non_blocking: bool = False) -> None:
+    """Rows of `planes` (aux, final[, aux_scale, final_scale]) into the pieces, in order."""
+    a = 0
+    for p in pieces:
+        for dst, src in zip(p.planes(), planes):
+            dst.copy_(src[a:a + p.rows], non_blocking=non_blocking)
+        a += p.rows
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional, Sequence
 from sglang_hs.format import (
     FILES_PER_SHARD,
     FORMAT_VERSION,
+    Storage,
     append_manifest,
     open_manifest,
     read_manifest,
@@ -39,12 +40,14 @@ class SampleWriter:
         pool: SlabPool,
         notify: Notify,
         threads: int = 2,
+        storage: Storage = Storage(),
     ):
         self.out_dir = out_dir
         self.tag = writer_tag
         self.aux_layer_ids = list(aux_layer_ids)
         self.pool = pool
         self.notify = notify
+        self.storage = storage
         self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
         self._lock = threading.Lock()
         self._manifest_lock = threading.Lock()
@@ -144,7 +147,7 @@ class SampleWriter:
 
     def _commit(self, st: RequestState):
         """Write the file, then list it: a sample exists once its manifest line does."""
-        tensors = build_sample(st)
+        tensors = build_sample(st, self.storage)
         meta = {
             "format": FORMAT_VERSION,
             "id": st.rid,

@@ -117,8 +117,10 @@ def main(argv=None) -> None:
         if a.json:
             print(json.dumps(r, indent=2))
         else:
-            print(f"{r['dir']}: {r['samples']} samples, {r['tokens']} tokens, {human_bytes(r['bytes'])}, "
-                  f"aux layers {r['aux_layer_ids']} + final, {r['dtype']}, hidden {r['hidden_size']}")
+            print(f"{r['dir']}: {r['samples']} samples, {r['tokens']} tokens, {human_bytes(r['bytes'])} "
+                  f"({r['bytes_per_token']:.0f} B/token), aux layers {r['aux_layer_ids']} + final, "
+                  f"computed in {r['dtype']}, stored as {r['export_dtype']}, final rows: {r['final_rows']}, "
+                  f"hidden {r['hidden_size']}")
             for k_, v in r["length_histogram"].items():
                 print(f"  {k_:>12} tokens: {v}")
             if r["failed_ids"]:

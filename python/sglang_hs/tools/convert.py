@@ -38,7 +38,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sglang_hs.format import CaptureProvenance, iter_samples, load_sample, read_export_json, sample_metadata
+from sglang_hs.format import (
+    CaptureProvenance,
+    Storage,
+    decode_sample,
+    final_at_every_position,
+    iter_samples,
+    load_sample,
+    quantize_rows,
+    read_export_json,
+    sample_metadata,
+)
 from sglang_hs.tools.masks import MASK_RULES, apply_mask_rule, separator_ids
 
 SPECFORGE_GROUP = 2000
@@ -59,11 +69,20 @@ def dataset_order(ids: List[str]) -> List[int]:
 
 
 class ExportDataset(torch.utils.data.Dataset):
-    """Samples of an export directory, in dataset order; tensors are read lazily."""
+    """Samples of an export directory, in dataset order; tensors are read lazily.
 
-    def __init__(self, out_dir: str):
+    Each sample's planes come in `dtype` (default: the model's) whatever their storage: fp8
+    planes are dequantized. From an export with final rows at loss positions only,
+    `final_hidden_states` holds those rows and `final_positions` their positions
+    (`format.final_at_every_position` puts them in place)."""
+
+    def __init__(self, out_dir: str, dtype: Optional[torch.dtype] = None):
         self.dir = out_dir
         self.info = read_export_json(out_dir)
+        if self.info is None:
+            raise ValueError(f"{out_dir} is not an export directory (no export.json)")
+        self.storage = Storage.of_export(self.info)
+        self.dtype = dtype or getattr(torch, self.info["dtype"])
         entries = [e for e, _ in iter_samples(out_dir)]
         self.entries = [entries[i] for i in dataset_order([e["id"] for e in entries])]
 
@@ -76,8 +95,12 @@ class ExportDataset(torch.utils.data.Dataset):
     def provenance(self, i: int) -> Optional[CaptureProvenance]:
         return CaptureProvenance.of_sample(sample_metadata(self.path(i)))
 
+    def raw(self, i: int) -> Dict[str, torch.Tensor]:
+        """The sample's tensors as stored (fp8 planes and their scales)."""
+        return load_sample(self.path(i))
+
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        t = load_sample(self.path(i))
+        t = decode_sample(self.raw(i), self.dtype)
         t.setdefault("loss_mask", torch.ones_like(t["token_ids"], dtype=torch.uint8))
         return t
 
@@ -91,13 +114,18 @@ class ConvertReport:
     # Samples whose mask was rewritten to the rule, and those kept as captured, by reason.
     remasked: int = 0
     kept: Dict[str, int] = dataclasses.field(default_factory=dict)
+    # Loss positions the rule added where the export kept no final row (--export-final-rows
+    # loss keeps them at the captured mask): left out of the loss.
+    without_final_row: int = 0
     notes: List[str] = dataclasses.field(default_factory=list)
 
     def line(self) -> str:
         kept = ", ".join(f"{n} {why}" for why, n in sorted(self.kept.items()))
         return (f"wrote {self.samples} samples in the {self.layout} layout to {self.dest}; loss masks: "
                 f"{self.loss_mask_rule} ({self.remasked} rewritten" + (f"; kept as captured: {kept}" if kept else "")
-                + ")" + "".join(f"\n  {n}" for n in self.notes))
+                + ")" + (f"; {self.without_final_row} loss positions without a final row left out"
+                         if self.without_final_row else "")
+                + "".join(f"\n  {n}" for n in self.notes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +159,16 @@ class _Masks:
         return None
 
     def __call__(self, i: int, t: Dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = self._rule_mask(i, t)
+        pos = t.get("final_positions")
+        if pos is not None:  # the loss needs the target's final row at each of its positions
+            has_row = torch.zeros_like(mask)
+            has_row[pos.long()] = 1
+            self.report.without_final_row += int((mask * (1 - has_row)).sum())
+            mask = mask * has_row
+        return mask
+
+    def _rule_mask(self, i: int, t: Dict[str, torch.Tensor]) -> torch.Tensor:
         mask = t["loss_mask"].long()
         if self.rule == "captured":
             return mask
@@ -177,11 +215,13 @@ def to_specforge(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions(
         torch.save({
             "input_ids": t["token_ids"].long(),
             "loss_mask": masks(idx, t),
-            "hidden_state": t["final_hidden_states"][None].to(torch.bfloat16).clone(),
+            "hidden_state": final_at_every_position(t)[None].to(torch.bfloat16).clone(),
             "aux_hidden_state": t["aux_hidden_states"].reshape(1, n, -1).to(torch.bfloat16).clone(),
         }, os.path.join(folder, f"data_{idx}.ckpt"))
-    if ds.info.get("dtype") not in (None, "bfloat16"):
-        rep.notes.append(f"states exported as {ds.info['dtype']} are written as bfloat16 (SpecForge's target head is bf16)")
+    if ds.info.get("dtype") not in (None, "bfloat16") or ds.storage.scaled:
+        stored = "fp8 (dequantized)" if ds.storage.scaled else ds.info["dtype"]
+        rep.notes.append(f"states exported as {stored} are written as bfloat16 (SpecForge reads bf16; its target "
+                         "head is bf16)")
     target, lm_head_key = specforge_target(model, dest)
     if target != model:
         rep.notes.append(f"target_model/ links {model} and adds the checkpoint index SpecForge's target head reads")
@@ -268,11 +308,8 @@ def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOption
     freq: collections.Counter = collections.Counter()
     for idx in range(len(ds)):
         t = ds[idx]
-        final = t["final_hidden_states"]
-        pre = (final.float() / w).to(final.dtype)
-        hs = torch.cat([t["aux_hidden_states"], pre[:, None]], dim=1).contiguous()
         ids, mask = t["token_ids"].long(), masks(idx, t)
-        save_file({"hidden_states": hs, "token_ids": ids},
+        save_file({**_speculators_planes(ds, idx, t, w), "token_ids": ids},
                   os.path.join(hs_dir, f"hs_{idx}.safetensors"),
                   metadata={"id": ds.entries[idx]["id"], "last_layer": "prenorm_preimage",
                             "aux_layer_ids": json.dumps(ds.info["aux_layer_ids"])})
@@ -285,10 +322,28 @@ def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOption
     table.save_to_disk(dest)
     # speculators' own prepare-data counts loss-masked tokens into a dict of int -> int.
     torch.save(dict(freq), os.path.join(dest, "token_freq.pt"))
-    rep.notes.append(f"train: python -m speculators.train --data-path {dest} "
+    backend = " --hidden-states-backend fp8" if ds.storage.scaled else ""
+    rep.notes.append(f"train: python -m speculators.train --data-path {dest}{backend} "
                      f"--verifier-name-or-path {model} --draft-vocab-size N")
     _write_index(dest, ds, "speculators", rule)
     return rep
+
+
+def _speculators_planes(ds: ExportDataset, idx: int, t: Dict[str, torch.Tensor], w: torch.Tensor):
+    """`hidden_states` [T, K+1, H]: the aux planes, then the final state's pre-image (see the
+    module docstring; zeros where the export kept no final row). An fp8 export stays fp8 in
+    speculators' own fp8 layout (its `--hidden-states-backend fp8` reads `hidden_states` with
+    `hidden_states_scales` and multiplies them), with our scale per row and plane [T, K+1, 1]:
+    the aux planes pass through as stored, the pre-image is quantized the same way."""
+    final = final_at_every_position(t)
+    pre = final.float() / w
+    if not ds.storage.scaled:
+        return {"hidden_states": torch.cat([t["aux_hidden_states"], pre.to(final.dtype)[:, None]], dim=1).contiguous()}
+    raw = ds.raw(idx)
+    q_pre, s_pre = quantize_rows(pre)
+    return {"hidden_states": torch.cat([raw["aux_hidden_states"], q_pre[:, None]], dim=1).contiguous(),
+            "hidden_states_scales": torch.cat([raw["aux_hidden_states_scale"], s_pre[:, None]], dim=1)[..., None]
+            .contiguous()}
 
 
 def _write_index(dest: str, ds: ExportDataset, layout: str, rule: str) -> None:
@@ -312,7 +367,10 @@ def inspect_export(out_dir: str) -> dict:
         done = {e["id"] for e in entries}
         with open(fpath) as f:
             failed = sorted({json.loads(l)["id"] for l in f if l.strip()} - done)
+    storage = Storage.of_export(info)
     return {"dir": out_dir, "samples": len(entries), "tokens": sum(lengths), "bytes": size,
+            "bytes_per_token": round(size / max(sum(lengths), 1), 1),
+            "export_dtype": storage.dtype or info.get("dtype"), "final_rows": storage.final_rows,
             "aux_layer_ids": info.get("aux_layer_ids"), "dtype": info.get("dtype"),
             "hidden_size": info.get("hidden_size"), "model_path": info.get("model_path"),
             "length_histogram": {k: v for k, v in hist.items() if v}, "failed_ids": failed,

@@ -3,6 +3,8 @@
 For each plane (every aux layer and the final state) we report the error of the exported
 rows against an fp32 HF forward, and HF's own bf16 forward against the same fp32 reference:
 an export is as exact as the runtime can be when its error is of the order of HF bf16's.
+An export stored in fewer bits (`--export-dtype`) adds its storage error: what storing the
+fp32 reference itself that way costs, reported apart and added to what is allowed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,16 @@ from typing import Dict, List, Optional
 
 import torch
 
-from sglang_hs.format import iter_samples, load_sample, read_export_json, validate_export
+from sglang_hs.format import (
+    Storage,
+    decode_sample,
+    dequantize_rows,
+    iter_samples,
+    load_sample,
+    quantize_rows,
+    read_export_json,
+    validate_export,
+)
 
 # Pass when the export's error vs fp32 is at most this multiple of HF bf16's own error...
 MAX_ERROR_RATIO = 2.0
@@ -30,10 +41,12 @@ class PlaneStats:
     mean_cos: float
     min_cos: float
     max_abs: float
+    rel_err_storage: float = 0.0  # the fp32 reference stored the export's way, vs itself
 
     @property
     def ok(self) -> bool:
-        return self.rel_err <= MAX_ERROR_RATIO * self.rel_err_hf_bf16 + 1e-6 and self.mean_cos >= MIN_MEAN_COSINE
+        allowed = MAX_ERROR_RATIO * (self.rel_err_hf_bf16 + self.rel_err_storage) + 1e-6
+        return self.rel_err <= allowed and self.mean_cos >= MIN_MEAN_COSINE
 
 
 @dataclasses.dataclass
@@ -49,7 +62,8 @@ class VerifyReport:
 
     @property
     def worst_ratio(self) -> float:
-        return max((p.rel_err / max(p.rel_err_hf_bf16, 1e-12) for p in self.planes), default=0.0)
+        """Export error over what the runtime (HF bf16) and the storage alone would cost."""
+        return max((p.rel_err / max(p.rel_err_hf_bf16 + p.rel_err_storage, 1e-12) for p in self.planes), default=0.0)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -57,11 +71,11 @@ class VerifyReport:
         return d
 
     def table(self) -> str:
-        lines = [f"{'plane':>10} {'err vs fp32':>12} {'HF bf16 err':>12} {'ratio':>6} {'mean cos':>9} "
-                 f"{'min cos':>8} {'max |d|':>8}  ok"]
+        lines = [f"{'plane':>10} {'err vs fp32':>12} {'HF bf16 err':>12} {'storage err':>12} {'ratio':>6} "
+                 f"{'mean cos':>9} {'min cos':>8} {'max |d|':>8}  ok"]
         for p in self.planes:
-            lines.append(f"{p.name:>10} {p.rel_err:12.3e} {p.rel_err_hf_bf16:12.3e} "
-                         f"{p.rel_err / max(p.rel_err_hf_bf16, 1e-12):6.2f} {p.mean_cos:9.6f} "
+            lines.append(f"{p.name:>10} {p.rel_err:12.3e} {p.rel_err_hf_bf16:12.3e} {p.rel_err_storage:12.3e} "
+                         f"{p.rel_err / max(p.rel_err_hf_bf16 + p.rel_err_storage, 1e-12):6.2f} {p.mean_cos:9.6f} "
                          f"{p.min_cos:8.5f} {p.max_abs:8.4f}  {'yes' if p.ok else 'NO'}")
         return "\n".join(lines)
 
@@ -111,14 +125,24 @@ def _load_text_model(model_path: str, text_config: dict, dtype: torch.dtype):
     return model
 
 
-def _accumulate(acc: Dict[str, list], name: str, got: torch.Tensor, ref: torch.Tensor, hf16: torch.Tensor):
+def stored(x: torch.Tensor, storage: Storage) -> torch.Tensor:
+    """float32 rows `x` as an export with `storage` would hold them (the runtime's own dtype
+    is part of the runtime's error, not the storage's)."""
+    if storage.scaled:
+        return dequantize_rows(*quantize_rows(x.clone()))
+    return x.to(storage.row_dtype(x.dtype)).float()
+
+
+def _accumulate(acc: Dict[str, list], name: str, got: torch.Tensor, ref: torch.Tensor, hf16: torch.Tensor,
+                storage: Storage):
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    a = acc.setdefault(name, [0.0, 0.0, 0.0, [], 0.0])
+    a = acc.setdefault(name, [0.0, 0.0, 0.0, [], 0.0, 0.0])
     a[0] += float((got - ref).pow(2).sum())
     a[1] += float((hf16 - ref).pow(2).sum())
     a[2] += float(ref.pow(2).sum())
     a[3].append(cos)
     a[4] = max(a[4], float((got - ref).abs().max()))
+    a[5] += float((stored(ref, storage) - ref).pow(2).sum())
 
 
 def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optional[int] = 8,
@@ -129,6 +153,7 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
         return VerifyReport(0, 0, [], fmt.errors)
     model_path = model_path or info["model_path"]
     ids = list(info["aux_layer_ids"])
+    storage = Storage.of_export(info)
     names = [f"aux[{k}]" for k in ids] + ["final"]
     ref_model = load_hf(model_path, torch.float32, device)
     bf16_model = load_hf(model_path, torch.bfloat16, device)
@@ -137,22 +162,28 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
     for _, path in iter_samples(out_dir):
         if samples is not None and n >= samples:
             break
-        t = load_sample(path)
+        t = decode_sample(load_sample(path), torch.float32)
         tok = t["token_ids"]
-        got = torch.cat([t["aux_hidden_states"], t["final_hidden_states"][:, None]], dim=1).float()
         ref = hf_planes(ref_model, tok, ids)
         hf16 = hf_planes(bf16_model, tok, ids)
+        pos = t.get("final_positions")
         for j, name in enumerate(names):
-            _accumulate(acc, name, got[:, j], ref[:, j], hf16[:, j])
+            if name == "final":  # only the rows the export kept (--export-final-rows loss)
+                at = slice(None) if pos is None else pos.long()
+                got, r, h = t["final_hidden_states"], ref[at, j], hf16[at, j]
+            else:
+                got, r, h = t["aux_hidden_states"][:, j], ref[:, j], hf16[:, j]
+            if got.shape[0]:
+                _accumulate(acc, name, got, r, h, storage)
         n += 1
         tokens += tok.numel()
     planes = []
     for name in names:
         if name not in acc:
             continue
-        se, se16, ss, cos, mx = acc[name]
+        se, se16, ss, cos, mx, sst = acc[name]
         cos = torch.cat(cos)
         planes.append(PlaneStats(name, (se / ss) ** 0.5, (se16 / ss) ** 0.5, float(cos.mean()),
-                                 float(cos.min()), mx))
+                                 float(cos.min()), mx, (sst / ss) ** 0.5))
     return VerifyReport(n, tokens, planes, fmt.errors)
 
