@@ -8,6 +8,7 @@ run at the same time on the same GPU and are measured in alternating rounds.
     python benchmark/bench_gpu_export.py --phase radix-on  --out results.json
     python benchmark/bench_gpu_export.py --phase radix-off --out results.json   # adds to the file
     python benchmark/bench_gpu_export.py --phase baselines --out results.json
+    python benchmark/bench_gpu_export.py --phase fp8 --out fp8.json    # export bf16 vs fp8_e4m3
 """
 
 import argparse
@@ -60,28 +61,36 @@ def last_stats(log_path):
     return json.loads(lines[-1].split("sglang-hs stats:", 1)[1]) if lines else None
 
 
-def phase_pair(model_dir, work, radix: bool, rounds: int):
+def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False):
+    """Two servers side by side, measured in alternating rounds: "off" (no export) vs "on"
+    (export); with fp8, "off" exports in bf16 and "on" in fp8 (the fp8/bf16 ratio)."""
     extra = [] if radix else ["--disable-radix-cache"]
     export_dir = tempfile.mkdtemp(prefix="hs-", dir="/dev/shm")
-    res = {"radix_cache": radix, "export_dir": export_dir, "shapes": {}}
-    with LocalServer(["--model-path", model_dir, *FLAGS, *extra], f"{work}/off-{radix}.log", cpu=False) as off:
+    base_dir = tempfile.mkdtemp(prefix="hs-bf16-", dir="/dev/shm")
+    res = {"radix_cache": radix, "export_dir": export_dir, "shapes": {},
+           "pair": "export bf16 (off) vs export fp8_e4m3 (on)" if fp8 else "export off vs on"}
+    off_extra = ["--export-hidden-states-dir", base_dir] if fp8 else []
+    on_extra = ["--export-dtype", "fp8_e4m3"] if fp8 else []
+    tag = "fp8" if fp8 else radix
+    with LocalServer(["--model-path", model_dir, *FLAGS, *extra, *off_extra], f"{work}/off-{tag}.log",
+                     cpu=False) as off:
         res["startup_s_off"] = off.startup_s
-        with LocalServer(["--model-path", model_dir, *FLAGS, *extra, "--export-hidden-states-dir", export_dir],
-                    f"{work}/on-{radix}.log", cpu=False) as on:
+        with LocalServer(["--model-path", model_dir, *FLAGS, *extra, "--export-hidden-states-dir", export_dir,
+                          *on_extra], f"{work}/on-{tag}.log", cpu=False) as on:
             res["startup_s_on"] = on.startup_s
             warm = random_prompts(64, 1024, seed=7, vocab=128000)
-            measure_prefill(off.url, warm, CLIENTS)
+            measure_prefill(off.url, warm, CLIENTS, rid_prefix="warm" if fp8 else None)
             measure_prefill(on.url, warm, CLIENTS, rid_prefix="warm")
             res["gpu_mem_mib_idle"] = gpu_mem_by_server({"off": off, "on": on})
             for length, n in SHAPES:
                 rows = {"off": [], "on": []}
                 for r in range(rounds):
                     ps = random_prompts(n, length, seed=1000 * length + r, vocab=128000)
-                    order = [("off", off, None), ("on", on, f"L{length}-r{r}")]
+                    order = [("off", off, f"L{length}-r{r}" if fp8 else None), ("on", on, f"L{length}-r{r}")]
                     for name, srv, rid in (order if r % 2 == 0 else order[::-1]):
                         m = measure_prefill(srv.url, ps, CLIENTS, rid_prefix=rid)
                         rows[name].append(m)
-                        print(f"radix={radix} L={length} round {r} export {name}: {m['tokens_per_s']:.0f} tok/s",
+                        print(f"{tag} L={length} round {r} {name}: {m['tokens_per_s']:.0f} tok/s",
                               flush=True)
                 ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rows["on"], rows["off"])]
                 res["shapes"][str(length)] = {
@@ -103,7 +112,11 @@ def phase_pair(model_dir, work, radix: bool, rounds: int):
             timed_s = sum(m["seconds"] for m in on_rounds)
             res["write_GBps_during_timed_rounds"] = (total_bytes * timed_tokens /
                                                      max(1, sum(e["num_tokens"] for e in entries))) / timed_s / 1e9
-    subprocess.run(["rm", "-rf", export_dir])
+            if fp8:
+                base = read_manifest(base_dir)
+                res["exported_bytes_bf16"] = sum(os.path.getsize(os.path.join(base_dir, e["path"])) for e in base)
+                res["bytes_fp8_over_bf16"] = total_bytes / max(1, res["exported_bytes_bf16"])
+    subprocess.run(["rm", "-rf", export_dir, base_dir])
     return res
 
 
@@ -155,7 +168,7 @@ def hf_forward_writes_planes(model_dir, batch=8, length=1024, batches=6):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--phase", choices=["radix-on", "radix-off", "baselines"], required=True)
+    p.add_argument("--phase", choices=["radix-on", "radix-off", "baselines", "fp8"], required=True)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp", help="folder for the servers' logs")
@@ -171,7 +184,7 @@ def main():
     if a.phase == "baselines":
         data["baselines"] = phase_baselines(model_dir, a.work)
     else:
-        data[a.phase] = phase_pair(model_dir, a.work, a.phase == "radix-on", a.rounds)
+        data[a.phase] = phase_pair(model_dir, a.work, a.phase != "radix-off", a.rounds, fp8=a.phase == "fp8")
     json.dump(data, open(a.out, "w"), indent=2)
     print(json.dumps({k: v for k, v in data.items() if k != "provenance"}, indent=1)[:6000])
 

@@ -23,7 +23,7 @@ for step in "$@"; do
              test/gpu/test_tp2_export.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" ;;
     families) SGLANG_HS_GPU_RESULTS=$OUT/gpu_families.json python3 -m pytest -v -rs -m gpu test/gpu/test_families_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
-    *) python3 benchmark/bench_gpu_export.py --phase "$step" --out "$OUT/bench_gpu.json" \
+    *) python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac
   tar czf "$OUT/logs.tgz" -C $SGLANG_HS_LOGS .  # server logs (at most 8 files come back)

@@ -123,3 +123,58 @@ def test_prefix_cache_and_64_concurrent_mixed_lengths(servers):
     # The log shows this rank copying asynchronously (no per-request .cpu()): copies counted.
     stats = [ln for ln in open(on.log_path) if "sglang-hs stats:" in ln]
     record("server_stats_tail", stats[-1] if stats else None)
+
+
+@pytest.fixture(scope="module")
+def fp8_server(mini_llama, tmp_path_factory):
+    """fp8 storage (quantized on the GPU before the copy) with final rows at loss positions only."""
+    out = str(tmp_path_factory.mktemp("fp8-loss"))
+    args = ["--model-path", mini_llama, *GPU_FLAGS, "--export-aux-layer-ids", "1", "4", "7",
+            "--export-hidden-states-dir", out, "--export-dtype", "fp8_e4m3", "--export-final-rows", "loss"]
+    log = str(tmp_path_factory.mktemp("logs") / "fp8.log")
+    with LocalServer(args, log, cpu=False) as srv:
+        yield srv
+        os.system(f"cp {log} {os.environ.get('SGLANG_HS_LOGS', '/tmp')}/gpu-test-fp8.log")
+
+
+def test_fp8_rows_quantized_on_the_gpu_match_the_bf16_export_of_the_same_requests(servers, fp8_server):
+    """The same requests on the bf16 server (graphs on) and the fp8 + loss-rows server: dequantized
+    rows keep mean cosine >= 0.999 per plane, final rows exactly at the loss positions, and the
+    file is about half the size or less."""
+    from sglang_hs.format import decode_sample
+
+    on, _ = servers
+    lengths = [1, 9, 513, 2000]
+    per_plane = {}
+    sizes = {"bf16": 0, "fp8": 0}
+    for i, ids in enumerate(prompts(40, lengths, vocab=32000)):
+        mask = [int(j >= len(ids) // 2) for j in range(len(ids))]
+        send(on, f"fp8ref-{i}", ids)
+        r = fp8_server.generate({"rid": f"fp8ref-{i}", "input_ids": ids, "sampling_params": {
+            "max_new_tokens": 2, "temperature": 0, "custom_params": {"sglang_hs": {"loss_mask": mask}}}})
+        assert r.status_code == 200, r.text
+        ref, _ = rows(on.export_dir, f"fp8ref-{i}")
+        e = {x["id"]: x for x in read_manifest(fp8_server.export_dir)}[f"fp8ref-{i}"]
+        raw = load_sample(os.path.join(fp8_server.export_dir, e["path"]))
+        assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
+        t = decode_sample(raw, torch.float32)
+        pos = torch.nonzero(torch.tensor(mask)).flatten()
+        assert torch.equal(t["final_positions"], pos)
+        got = {f"aux{j}": (t["aux_hidden_states"][:, j], ref[:, j]) for j in range(3)}
+        got["final"] = (t["final_hidden_states"], ref[pos, 3])
+        for name, (a, b) in got.items():
+            if a.shape[0]:
+                per_plane.setdefault(name, []).append(torch.nn.functional.cosine_similarity(a, b, dim=-1))
+        sizes["fp8"] += os.path.getsize(os.path.join(fp8_server.export_dir, e["path"]))
+        e_on = {x["id"]: x for x in read_manifest(on.export_dir)}[f"fp8ref-{i}"]
+        sizes["bf16"] += os.path.getsize(os.path.join(on.export_dir, e_on["path"]))
+    cos = {k: {"mean": float(torch.cat(v).mean()), "min": float(torch.cat(v).min())} for k, v in per_plane.items()}
+    record("fp8_loss_rows_vs_bf16_cosine", cos)
+    record("fp8_loss_rows_bytes_vs_bf16", sizes["fp8"] / sizes["bf16"])
+    assert all(c["mean"] >= 0.999 for c in cos.values()), cos
+    assert sizes["fp8"] / sizes["bf16"] <= 0.5, sizes
+    assert validate_export(fp8_server.export_dir).ok
+    ver = verify_export(fp8_server.export_dir, samples=None, device="cuda")
+    print(ver.table())
+    record("hf_fp8_loss_rows", ver.to_dict())
+    assert ver.ok, ver.table()

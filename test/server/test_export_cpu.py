@@ -333,20 +333,72 @@ def test_a_directory_that_turns_read_only_fails_those_requests_until_it_is_writa
     assert_listed_once_and_valid(d, batch)
 
 
-def test_smollm2_bf16_rows_match_hf(smollm2_path, tmp_path):
-    """The embedded default model, in its own dtype (bf16), with its chat template."""
+SMOL_CONVS = 8
+
+
+def smol_ids_and_masks(smollm2_path):
+    """The demo's first chats with their assistant-turn masks, as `capture` makes them."""
     from transformers import AutoTokenizer
 
     from sglang_hs.tools.demo import demo_conversations
+    from sglang_hs.tools.masks import chat_ids_and_mask
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    convs = demo_conversations()[:8]
-    out = str(tmp_path / "smol")
+    convs = [c["messages"] + [{"role": "assistant", "content": f"Answer {i}: " + "fine, " * (5 * i + 3)}]
+             for i, c in enumerate(demo_conversations()[:SMOL_CONVS])]
+    return [chat_ids_and_mask(tok, m) for m in convs]
+
+
+def smol_export(smollm2_path, out, log, *flags):
     with LocalServer(["--model-path", smollm2_path, "--export-hidden-states-dir", out, "--skip-server-warmup",
-                 "--chunked-prefill-size", "32"], str(tmp_path / "server.log")) as srv:
-        for i, c in enumerate(convs):
-            ids = list(tok.apply_chat_template(c["messages"], tokenize=True, add_generation_prompt=True,
-                                               return_dict=True)["input_ids"])
-            assert export(srv, f"smol-{i}", ids).status_code == 200
-    rep = assert_exact_vs_hf(out)
-    assert rep.samples == 8 and all(p.mean_cos >= 0.999 for p in rep.planes)
+                      "--chunked-prefill-size", "32", *flags], log) as srv:
+        for i, (ids, mask) in enumerate(smol_ids_and_masks(smollm2_path)):
+            r = export(srv, f"smol-{i}", ids, sp={"custom_params": {"sglang_hs": {"loss_mask": mask}}})
+            assert r.status_code == 200, r.text
+        if "loss" in flags:  # a request without a mask is refused, and the server goes on
+            r = export(srv, "no-mask", ids)
+            assert r.status_code == 400 and "--export-final-rows loss" in r.text, r.text
+            assert requests.get(srv.url + "/health", timeout=30).status_code == 200
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_bf16(smollm2_path, tmp_path_factory):
+    d = tmp_path_factory.mktemp("smol-bf16")
+    return smol_export(smollm2_path, str(d / "out"), str(d / "server.log"))
+
+
+def test_smollm2_bf16_rows_match_hf(smol_bf16):
+    """The embedded default model, in its own dtype (bf16), with its chat template."""
+    rep = assert_exact_vs_hf(smol_bf16)
+    assert rep.samples == SMOL_CONVS and all(p.mean_cos >= 0.999 for p in rep.planes)
+
+
+def test_smollm2_fp8_with_final_rows_on_loss_vs_the_bf16_export_of_the_same_requests(smol_bf16, smollm2_path,
+                                                                                      tmp_path):
+    """fp8 storage and final rows at loss positions: per plane, the dequantized rows against
+    the bf16 export of the same requests (mean cosine >= 0.999; error reported), and against
+    HF fp32 with the storage error reported apart; under half the bytes."""
+    from sglang_hs.format import decode_sample
+
+    out = smol_export(smollm2_path, str(tmp_path / "fp8"), str(tmp_path / "server.log"),
+                      "--export-dtype", "fp8_e4m3", "--export-final-rows", "loss")
+    assert validate_export(out).ok
+    fp8, ref = ({e["id"]: os.path.join(d, e["path"]) for e in read_manifest(d)} for d in (out, smol_bf16))
+    cos, err = {}, {}
+    for rid in ref:
+        a, b = decode_sample(load_sample(fp8[rid]), torch.float32), load_sample(ref[rid])
+        assert torch.equal(a["final_positions"], torch.nonzero(b["loss_mask"]).flatten())
+        pairs = {f"aux{j}": (a["aux_hidden_states"][:, j], b["aux_hidden_states"][:, j].float()) for j in range(3)}
+        pairs["final"] = (a["final_hidden_states"], b["final_hidden_states"][a["final_positions"]].float())
+        for k, (x, y) in pairs.items():
+            cos.setdefault(k, []).append(torch.nn.functional.cosine_similarity(x, y, dim=-1))
+            err.setdefault(k, []).append(float((x - y).norm() / y.norm()))
+    summary = {k: (float(torch.cat(v).mean()), max(err[k])) for k, v in cos.items()}
+    print("plane: mean cosine, worst relative error vs the bf16 export:", summary)
+    assert all(m >= 0.999 for m, _ in summary.values()), summary
+    size = {d: validate_export(d).bytes for d in (out, smol_bf16)}
+    assert size[out] <= 0.5 * size[smol_bf16], size
+    rep = verify_export(out, samples=None)
+    print(rep.table())
+    assert rep.ok and all(p.rel_err_storage > 0 for p in rep.planes), rep.table()

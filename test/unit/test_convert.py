@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from safetensors.torch import load_file
 
 from harness.fixtures import write_test_export_json
 from sglang_hs.format import PROVENANCE_KEY, CaptureProvenance, chat_template_sha256
-from sglang_hs.overlay.rows import RequestState, plan_forward, split_rows
+from sglang_hs.format import Storage
+from sglang_hs.overlay.rows import RequestState, plan_forward, split_rows, storage_planes
 from sglang_hs.overlay.staging import Piece, SlabPool
 from sglang_hs.overlay.writer import SampleWriter
 from sglang_hs.protocol import RequestOptions
@@ -38,31 +40,32 @@ CHATS = [
 
 
 def write_sample(w, rid, planes, ids, mask, metadata):
-    """One request's rows, arriving in two forwards, as the runtime hands them to the writer."""
+    """One request's rows, arriving in two forwards, as the runtime hands them to the writer
+    (stored the writer's way: bf16, or fp8 with scales)."""
     st = RequestState(rid=rid, prompt_ids=ids, options=RequestOptions(loss_mask=mask, metadata=metadata,
                                                                        call_id=f"c-{rid}"))
     n = len(ids)
     for start, end in ((0, n // 2), (n // 2, n)):
         _, segs, _ = plan_forward([st], [start], [end - start])
         p = planes[start:end].bfloat16()
-        piece = Piece(p[:, :-1].contiguous(), p[:, -1].contiguous(), None)
+        stored = storage_planes(p[:, :-1].contiguous(), p[:, -1].contiguous(), w.storage)
+        piece = Piece(stored[0], stored[1], None, *stored[2:])
         split_rows([piece], segs)
         piece.release()
     w.submit(st, lambda: False)
 
 
-@pytest.fixture(scope="module")
-def export(tiny_path, tmp_path_factory):
+def write_export(tiny_path, d, storage=Storage()):
     """The tiny model's HF fp32 states for CHATS (plus one pre-tokenized record with its own
     mask), written in an order other than the dataset's, as completion order would be."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_path)
     model = load_hf(tiny_path, torch.float32)
-    d = str(tmp_path_factory.mktemp("convert") / "export")
     os.makedirs(d)
-    write_test_export_json(d, 64, aux_layer_ids=LAYERS, model_path=tiny_path, num_layers=8)
-    w = SampleWriter(d, "dp0", LAYERS, SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None)
+    write_test_export_json(d, 64, aux_layer_ids=LAYERS, model_path=tiny_path, num_layers=8,
+                           export_dtype=storage.dtype, final_rows=storage.final_rows)
+    w = SampleWriter(d, "dp0", LAYERS, SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None, storage=storage)
     records = [{"messages": c} for c in CHATS] + [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 0]}]
     samples = {}
     for i, rec in enumerate(records):
@@ -84,6 +87,16 @@ def export(tiny_path, tmp_path_factory):
     write_sample(w, *first)  # dataset position 0 completes last
     w.close()
     return d, samples, tok
+
+
+@pytest.fixture(scope="module")
+def export(tiny_path, tmp_path_factory):
+    return write_export(tiny_path, str(tmp_path_factory.mktemp("convert") / "export"))
+
+
+@pytest.fixture(scope="module")
+def fp8_loss_export(tiny_path, tmp_path_factory):
+    return write_export(tiny_path, str(tmp_path_factory.mktemp("convert") / "fp8"), Storage("fp8_e4m3", "loss"))
 
 
 def expected_mask(tok, entry, rule):
@@ -271,3 +284,64 @@ def test_a_float32_export_trains_with_specforges_bf16_target_head(export, traine
     head.to(torch.bfloat16)
     logits = head(batch["target"])
     assert logits.shape[-2:] == (len(ids), 49152) and torch.isfinite(logits).all()
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+def test_an_fp8_export_with_loss_rows_reaches_speculators_as_fp8(fp8_loss_export, trainers, tmp_path, tiny_path):
+    """speculators reads its own fp8 layout (--hidden-states-backend fp8: its FP8Transfer
+    dequantizes `hidden_states` with `hidden_states_scales`): our aux planes pass through as
+    stored; its loss is only where the export kept a final row (the captured mask), and there
+    its norm gives back our final state."""
+    from hs_connectors.transfer import FP8Transfer
+    from speculators.models.eagle3.model_definitions import model_classes
+    from speculators.train.data import ArrowDataset
+    from speculators.utils.loading import load_model_layers
+
+    d, samples, tok = fp8_loss_export
+    dest = str(tmp_path / "spec")
+    rep = to_speculators(d, dest)
+    assert "--hidden-states-backend fp8" in rep.line()
+    assert rep.without_final_row > 0  # last-turn+separator adds the separators the capture mask left out
+    stored = load_file(os.path.join(dest, "hidden_states", "hs_0.safetensors"))
+    assert stored["hidden_states"].dtype == torch.float8_e4m3fn and stored["hidden_states_scales"].dim() == 3
+    ds = ArrowDataset(max_len=4096, datapath=dest, on_missing="raise",
+                      transfer=FP8Transfer(pathlib.Path(dest) / "hidden_states"))
+    norm = model_classes["llama"].norm_class(64, eps=1e-5)
+    norm.load_state_dict({"weight": load_model_layers(["model.norm.weight"], tiny_path)["model.norm.weight"]})
+    for i, entry in enumerate(samples.values()):
+        item, (ids, mask, _, planes) = ds[i], entry
+        T = len(ids)
+        assert cosine(item["hidden_states"].view(T, 3, 64), planes[:, :3]).min() >= 0.999
+        loss = item["loss_mask"].bool()
+        assert set(loss.nonzero().flatten().tolist()) <= {j for j, m in enumerate(mask) if m}
+        with torch.no_grad():
+            renormed = norm(item["verifier_last_hidden_states"].float())
+        assert cosine(renormed[loss], planes[loss, 3]).min() >= 0.999
+
+
+def test_an_fp8_export_with_loss_rows_reaches_specforge_dequantized(fp8_loss_export, trainers, tmp_path):
+    from specforge.algorithms.eagle3.data import (build_offline_collator, build_offline_normalizer,
+                                                  build_offline_reader)
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    d, samples, tok = fp8_loss_export
+    dest = str(tmp_path / "sf")
+    rep = to_specforge(d, dest, ConvertOptions(loss_mask="captured"))
+    assert rep.without_final_row == 0 and "fp8 (dequantized)" in rep.line()
+    refs = build_offline_reader(dest, run_id="t8", ttt_length=7, max_len=4096).read()
+    loader = FeatureDataLoader(LocalFeatureStore("t8"), refs=refs, batch_size=1,
+                               per_sample_transform=build_offline_normalizer(4096),
+                               collate_fn=build_offline_collator(), drop_last=False)
+    by_ids = {tuple(e[0]): e for e in samples.values()}
+    for tb in loader:
+        b = tb.tensors
+        ids, mask, _, planes = by_ids[tuple(b["input_ids"][0].tolist())]
+        T = len(ids)
+        assert cosine(b["hidden_state"][0].view(T, 3, 64), planes[:, :3]).min() >= 0.999
+        loss = b["loss_mask"][0].bool()
+        assert cosine(b["target"][0][loss], planes[loss, 3]).min() >= 0.999
+        assert bool((b["target"][0][~torch.tensor(mask).bool()] == 0).all())  # no final row kept there
