@@ -104,7 +104,7 @@ def capture_and_convert(work: str, samples: int) -> dict:
             "specforge_convert": sf.line(), "speculators_convert": sp.line()}
 
 
-def train_speculators(work: str, model: str, epochs: int) -> dict:
+def train_speculators(work: str, model: str, epochs: int, extra=()) -> dict:
     # Its --max-steps ends an epoch, not the run (each later epoch still takes a step and a
     # validation pass), so the run is bounded by epochs.
     metrics = os.path.join(work, "speculators-metrics.jsonl")
@@ -112,7 +112,7 @@ def train_speculators(work: str, model: str, epochs: int) -> dict:
            "--verifier-name-or-path", model, "--draft-vocab-size", "8192", "--save-path",
            os.path.join(work, "speculators-out"), "--epochs", str(epochs),
            "--total-seq-len", "2048", "--log-freq", "1", "--num-workers", "0", "--draft-attn-impl", "sdpa",
-           "--loss-implementation", "eager", "--lr", "1e-3"]
+           "--loss-implementation", "eager", "--lr", "1e-3", *extra]
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     rows = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []

@@ -50,17 +50,29 @@ def mini_llama(tmp_path_factory):
     return mini_llama_dir(str(tmp_path_factory.mktemp("mini-llama")))
 
 
-@pytest.fixture(scope="module")
-def servers(mini_llama, tmp_path_factory):
+def gpu_server(mini_llama, tmp_path_factory, name, *flags):
     logs = tmp_path_factory.mktemp("logs")
-    out_on, out_off = str(tmp_path_factory.mktemp("graphs-on")), str(tmp_path_factory.mktemp("graphs-off"))
-    common = ["--model-path", mini_llama, *GPU_FLAGS, "--export-aux-layer-ids", "1", "4", "7"]
-    with LocalServer(common + ["--export-hidden-states-dir", out_on], str(logs / "on.log"), cpu=False) as on, \
-            LocalServer(common + ["--export-hidden-states-dir", out_off, "--disable-cuda-graph"],
-                   str(logs / "off.log"), cpu=False) as off:
-        yield on, off
-        for s in (on, off):
-            os.system(f"cp {s.log_path} {os.environ.get('SGLANG_HS_LOGS', '/tmp')}/gpu-test-{os.path.basename(s.log_path)}")
+    out = str(tmp_path_factory.mktemp(name))
+    args = ["--model-path", mini_llama, *GPU_FLAGS, "--export-aux-layer-ids", "1", "4", "7",
+            "--export-hidden-states-dir", out, *flags]
+    with LocalServer(args, str(logs / f"{name}.log"), cpu=False) as srv:
+        yield srv
+    os.system(f"cp {srv.log_path} {os.environ.get('SGLANG_HS_LOGS', '/tmp')}/gpu-test-{name}.log")
+
+
+@pytest.fixture(scope="module")
+def graphs_on(mini_llama, tmp_path_factory):
+    yield from gpu_server(mini_llama, tmp_path_factory, "graphs-on")
+
+
+@pytest.fixture(scope="module")
+def graphs_off(mini_llama, tmp_path_factory):
+    yield from gpu_server(mini_llama, tmp_path_factory, "graphs-off", "--disable-cuda-graph")
+
+
+@pytest.fixture(scope="module")
+def servers(graphs_on, graphs_off):
+    return graphs_on, graphs_off
 
 
 def send(srv, rid, ids, **sp):
@@ -102,8 +114,8 @@ def test_graphs_on_and_off_agree_and_match_hf(servers):
         assert rep.ok, rep.table()
 
 
-def test_prefix_cache_and_64_concurrent_mixed_lengths(servers):
-    on, _ = servers
+def test_prefix_cache_and_64_concurrent_mixed_lengths(graphs_on):
+    on = graphs_on
     base, = prompts(1, [1200], vocab=32000)
     for rid in ("twice-a", "twice-b"):
         assert send(on, rid, base)["cached_tokens"] == 0
@@ -128,22 +140,17 @@ def test_prefix_cache_and_64_concurrent_mixed_lengths(servers):
 @pytest.fixture(scope="module")
 def fp8_server(mini_llama, tmp_path_factory):
     """fp8 storage (quantized on the GPU before the copy) with final rows at loss positions only."""
-    out = str(tmp_path_factory.mktemp("fp8-loss"))
-    args = ["--model-path", mini_llama, *GPU_FLAGS, "--export-aux-layer-ids", "1", "4", "7",
-            "--export-hidden-states-dir", out, "--export-dtype", "fp8_e4m3", "--export-final-rows", "loss"]
-    log = str(tmp_path_factory.mktemp("logs") / "fp8.log")
-    with LocalServer(args, log, cpu=False) as srv:
-        yield srv
-        os.system(f"cp {log} {os.environ.get('SGLANG_HS_LOGS', '/tmp')}/gpu-test-fp8.log")
+    yield from gpu_server(mini_llama, tmp_path_factory, "fp8-loss", "--export-dtype", "fp8_e4m3",
+                          "--export-final-rows", "loss")
 
 
-def test_fp8_rows_quantized_on_the_gpu_match_the_bf16_export_of_the_same_requests(servers, fp8_server):
+def test_fp8_rows_quantized_on_the_gpu_match_the_bf16_export_of_the_same_requests(graphs_on, fp8_server):
     """The same requests on the bf16 server (graphs on) and the fp8 + loss-rows server: dequantized
     rows keep mean cosine >= 0.999 per plane, final rows exactly at the loss positions, and the
     file is about half the size or less."""
     from sglang_hs.format import decode_sample
 
-    on, _ = servers
+    on = graphs_on
     lengths = [1, 9, 513, 2000]
     per_plane = {}
     sizes = {"bf16": 0, "fp8": 0}
@@ -153,7 +160,7 @@ def test_fp8_rows_quantized_on_the_gpu_match_the_bf16_export_of_the_same_request
         r = fp8_server.generate({"rid": f"fp8ref-{i}", "input_ids": ids, "sampling_params": {
             "max_new_tokens": 2, "temperature": 0, "custom_params": {"sglang_hs": {"loss_mask": mask}}}})
         assert r.status_code == 200, r.text
-        ref, _ = rows(on.export_dir, f"fp8ref-{i}")
+        _, ref = rows(on.export_dir, f"fp8ref-{i}")
         e = {x["id"]: x for x in read_manifest(fp8_server.export_dir)}[f"fp8ref-{i}"]
         raw = load_sample(os.path.join(fp8_server.export_dir, e["path"]))
         assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
