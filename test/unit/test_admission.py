@@ -133,3 +133,12 @@ def test_a_failed_sample_answers_with_its_status():
     with pytest.raises(ExportError) as e:
         hold(finished("a"), adm, w)
     assert e.value.status_code == 507 and adm.unclaimed == set()
+
+
+def test_a_loss_rows_server_refuses_an_exported_entry_without_a_loss_mask():
+    masked = {"custom_params": {REQUEST_KEY: {"loss_mask": [0, 1]}}}
+    adm = admit(["a", "b"], [dict(masked), dict(OPT_OUT)], 1, False, set(), "c1", need_loss_mask=True)
+    assert adm.rids == ["a"]  # an opted-out entry needs no mask
+    with pytest.raises(RequestOptionsError, match="--export-final-rows loss") as e:
+        admit(["a", "b"], [dict(masked), {}], 1, False, set(), "c2", need_loss_mask=True)
+    assert e.value.status_code == 400
