@@ -61,9 +61,10 @@ def last_stats(log_path):
     return json.loads(lines[-1].split("sglang-hs stats:", 1)[1]) if lines else None
 
 
-def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False):
+def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, save=lambda res: None):
     """Two servers side by side, measured in alternating rounds: "off" (no export) vs "on"
-    (export); with fp8, "off" exports in bf16 and "on" in fp8 (the fp8/bf16 ratio)."""
+    (export); with fp8, "off" exports in bf16 and "on" in fp8 (the fp8/bf16 ratio).
+    `save(res)` after every round, so a run cut short by a time limit keeps its rounds."""
     extra = [] if radix else ["--disable-radix-cache"]
     export_dir = tempfile.mkdtemp(prefix="hs-", dir="/dev/shm")
     base_dir = tempfile.mkdtemp(prefix="hs-bf16-", dir="/dev/shm")
@@ -90,6 +91,8 @@ def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False):
                     for name, srv, rid in (order if r % 2 == 0 else order[::-1]):
                         m = measure_prefill(srv.url, ps, CLIENTS, rid_prefix=rid)
                         rows[name].append(m)
+                        res["shapes"][str(length)] = {"rounds": rows, "complete": False}
+                        save(res)
                         print(f"{tag} L={length} round {r} {name}: {m['tokens_per_s']:.0f} tok/s",
                               flush=True)
                 ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rows["on"], rows["off"])]
@@ -184,7 +187,11 @@ def main():
     if a.phase == "baselines":
         data["baselines"] = phase_baselines(model_dir, a.work)
     else:
-        data[a.phase] = phase_pair(model_dir, a.work, a.phase != "radix-off", a.rounds, fp8=a.phase == "fp8")
+        def save(res):
+            json.dump({**data, a.phase: res}, open(a.out, "w"), indent=2)
+
+        data[a.phase] = phase_pair(model_dir, a.work, a.phase != "radix-off", a.rounds, fp8=a.phase == "fp8",
+                                   save=save)
     json.dump(data, open(a.out, "w"), indent=2)
     print(json.dumps({k: v for k, v in data.items() if k != "provenance"}, indent=1)[:6000])
 
