@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU host (no network): unpack the offline SGLang 0.5.17 bundle, install
 # this checkout's wheel next to it, prove the plugin is discoverable, then run the given steps.
-#   benchmark/gpu_session.sh tests families baselines        (or: radix-on radix-off)
+#   benchmark/gpu_session.sh tests families int4 baselines   (or: radix-on radix-off fp8)
 # Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu), .gpu/sglang_hs-*.whl
 # (pip wheel --no-deps -w .gpu .) and, for `families`, .gpu/tok (the SmolLM2 tokenizer files:
 # tokenizer.json, tokenizer_config.json, chat_template.jinja), all carried.
@@ -21,6 +21,8 @@ for step in "$@"; do
   case $step in
     tests) SGLANG_HS_GPU_RESULTS=$OUT/gpu_tests.json python3 -m pytest -v -rs -m gpu test/gpu/test_export_gpu.py \
              test/gpu/test_tp2_export.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" ;;
+    int4) SGLANG_HS_GPU_RESULTS=$OUT/gpu_int4.json python3 -m pytest -v -rs -s -m gpu test/gpu/test_int4_gpu.py \
+             -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4.txt" ;;
     families) SGLANG_HS_GPU_RESULTS=$OUT/gpu_families.json python3 -m pytest -v -rs -m gpu test/gpu/test_families_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
     *) python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \

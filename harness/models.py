@@ -165,3 +165,64 @@ def tiny_kimi_k25(out_dir: str, tokenizer_dir: str, seed: int = 0, num_layers: i
         json.dump({"auto_map": {"AutoProcessor": "text_only_kimi_k25_processor.TextOnlyKimiK25Processor"}}, f)
     replace_dir(tmp, out_dir)
     return out_dir
+
+
+# Kimi-K2.5 INT4's scheme (its config's quantization_config): routed experts' linears as
+# compressed-tensors "pack-quantized" int4, symmetric, one scale per group of 32 inputs;
+# attention, shared experts, dense MLPs and lm_head stay bf16.
+INT4_GROUP = 32
+_INT4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "kv_cache_scheme": None,
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": INT4_GROUP, "dynamic": False, "actorder": None,
+                                              "observer": "minmax", "block_structure": None}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}
+_EXPERT = r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"
+
+
+def int4_experts(src_dir: str, out_dir: str) -> tuple:
+    """(quantized, dequantized) checkpoints of the model in `src_dir` (a bf16 DeepSeek V3 /
+    Kimi K2 layout): `out_dir` holds the routed experts as int4 (weight_packed int32 packed
+    along the input dim by compressed-tensors' own packer, weight_scale bf16 [out, in/32],
+    weight_shape) and its quantization_config; `out_dir + ".dequantized"` holds the same
+    model with those experts as the bf16 values q * scale, which Hugging Face loads as the
+    reference the INT4 server must match."""
+    deq_dir = out_dir + ".dequantized"
+    if checkpoint_ready(out_dir) and checkpoint_ready(deq_dir):
+        return out_dir, deq_dir
+    import re
+    import shutil
+
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(os.path.join(src_dir, "model.safetensors"))
+    quant, deq = {}, {}
+    for key, w in weights.items():
+        if not re.search(_EXPERT, key):
+            quant[key] = deq[key] = w
+            continue
+        out_f, in_f = w.shape
+        g = w.float().view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+        # compressed-tensors' symmetric minmax: amax over the half range of int4's 15 steps
+        scale = (g.abs().amax(dim=-1) / 7.5).clamp_min(1e-8).to(torch.bfloat16)
+        q = torch.round(g / scale.float()[..., None]).clamp(-8, 7).to(torch.int8)
+        stem = key[: -len(".weight")]
+        quant[f"{stem}.weight_packed"] = pack_to_int32(q.view(out_f, in_f), 4)
+        quant[f"{stem}.weight_scale"] = scale
+        quant[f"{stem}.weight_shape"] = torch.tensor([out_f, in_f], dtype=torch.int32)
+        deq[key] = (q.float() * scale.float()[..., None]).view(out_f, in_f).to(torch.bfloat16)
+    for d, tensors, config_edit in ((out_dir, quant, lambda c: c.update(quantization_config=_INT4_CONFIG)),
+                                    (deq_dir, deq, None)):
+        tmp = d + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src_dir, tmp)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if config_edit is not None:
+            edit_config(tmp, config_edit)
+        replace_dir(tmp, d)
+    return out_dir, deq_dir
