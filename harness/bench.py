@@ -31,17 +31,20 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
         body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": 1, "temperature": 0}, **(extra or {})}
         if rid_prefix:
             body["rid"] = f"{rid_prefix}-{i:06d}"
+        t = time.perf_counter()
         r = session.post(url + "/generate", json=body, timeout=3600)
         r.raise_for_status()
-        return len(r.content)
+        return len(r.content), time.perf_counter() - t
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as ex:
-        response_bytes = sum(ex.map(one, range(len(prompts))))
+        done = list(ex.map(one, range(len(prompts))))
     wall = time.perf_counter() - t0
     tokens = sum(len(p) for p in prompts)
+    lat = sorted(x[1] for x in done)
     return {"prompts": len(prompts), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "response_bytes": response_bytes}
+            "response_bytes": sum(x[0] for x in done), "latency_ms_p50": round(1000 * lat[len(lat) // 2], 1),
+            "latency_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1)}
 
 
 def provenance(command: Sequence[str]) -> dict:

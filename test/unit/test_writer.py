@@ -54,6 +54,8 @@ def test_writes_files_manifest_and_reports(tmp_path):
     assert rep.tokens == sum(3 + i for i in range(20))
     # Every slab came back to the pool and is reused: none in use, none queued.
     assert w.pool.in_use == 0 and w.pool.queued == 0 and w.pool.overflow == 0
+    lat = w.durable_latency()  # each sample's time from complete rows to durable
+    assert lat["durable_n"] == 20 and 0 < lat["durable_ms_p50"] <= lat["durable_ms_p99"]
 
 
 def test_duplicate_id_is_refused_not_overwritten(tmp_path):

@@ -147,7 +147,7 @@ class ExportRuntime:
              "prefix_caps_digest": self._caps_digest.hexdigest()[:16]}
         w = self.writer
         if w is not None:
-            d |= {"writer": dict(w.stats), "host": w.pool.stats()}
+            d |= {"writer": {**w.stats, **w.durable_latency()}, "host": w.pool.stats()}
         return d
 
     def abort_forward(self) -> None:

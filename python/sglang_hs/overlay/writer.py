@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -49,6 +50,9 @@ class SampleWriter:
         self.notify = notify
         self.storage = storage
         self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
+        # Seconds from a prompt's last rows leaving the forward to its manifest line (the
+        # latency the export adds to a request), for the most recent samples.
+        self._durable_s: "collections.deque[float]" = collections.deque(maxlen=4096)
         self._lock = threading.Lock()
         self._manifest_lock = threading.Lock()
         self._ids = {e["id"] for e in read_manifest(out_dir)}
@@ -90,7 +94,7 @@ class SampleWriter:
 
     def submit(self, st: RequestState, aborted: Callable[[], bool]) -> None:
         self.pool.enqueue()
-        self._q.put((st, aborted))
+        self._q.put((st, aborted, time.perf_counter()))
 
     def drop(self, st: RequestState) -> None:
         """Forget a request's rows (aborted or failed mid-prefill); nothing is written."""
@@ -103,9 +107,9 @@ class SampleWriter:
             job = self._q.get()
             if job is None:
                 return
-            st, aborted = job
+            st, aborted, submitted = job
             try:
-                self._write(st, aborted)
+                self._write(st, aborted, submitted)
             except Exception as e:  # never let one sample kill the writer or hang its request
                 logger.exception("sglang-hs: writing sample %s failed", st.rid)
                 self.notify(st.outcome(status=500, error=f"internal error writing sample {st.rid}: {e!r}"))
@@ -114,7 +118,7 @@ class SampleWriter:
                 self.pool.dequeue()
                 self._q.task_done()
 
-    def _write(self, st: RequestState, aborted: Callable[[], bool]) -> None:
+    def _write(self, st: RequestState, aborted: Callable[[], bool], submitted: float) -> None:
         t0 = time.perf_counter()
         for ev in st.ready:  # device->host copies of these rows (GPU); wait here, not in the forward
             ev.synchronize()
@@ -139,6 +143,7 @@ class SampleWriter:
                 self.stats["tokens"] += st.prompt_len
                 self.stats["bytes"] += size
                 self.stats["write_s"] += time.perf_counter() - t0
+                self._durable_s.append(time.perf_counter() - submitted)
         if not out.ok:
             with self._lock:
                 self.stats["failed"] += 1
@@ -175,6 +180,16 @@ class SampleWriter:
         with self._lock:
             self.stats["failed"] += 1
         self.notify(st.outcome(error=error, status=status))
+
+    def durable_latency(self) -> Dict[str, float]:
+        """p50/p99 (ms) of the time from a prompt's rows being complete to its sample being
+        durable, over the most recent samples."""
+        with self._lock:
+            xs = sorted(self._durable_s)
+        if not xs:
+            return {}
+        pick = lambda q: round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2)  # noqa: E731
+        return {"durable_ms_p50": pick(0.5), "durable_ms_p99": pick(0.99), "durable_n": len(xs)}
 
     @property
     def queued(self) -> int:
