@@ -17,15 +17,17 @@ export PYTHONPATH=$SITE SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=
 python3 -c "from importlib.metadata import entry_points as e; assert 'sglang_hs' in [x.name for x in e(group='sglang.srt.plugins')]" || exit 3
 export SGLANG_HS_LOGS=/tmp/hs-logs SGLANG_HS_TOKENIZER=$PWD/.gpu/tok; mkdir -p $SGLANG_HS_LOGS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+# STEP_TIMEOUT=S bounds each step (0: none), so a step cut short still has its logs packed below.
+T="timeout ${STEP_TIMEOUT:-0}"
 for step in "$@"; do
   case $step in
-    tests) SGLANG_HS_GPU_RESULTS=$OUT/gpu_tests.json python3 -m pytest -v -rs -m gpu test/gpu/test_export_gpu.py \
+    tests) SGLANG_HS_GPU_RESULTS=$OUT/gpu_tests.json $T python3 -m pytest -v -rs -m gpu test/gpu/test_export_gpu.py \
              test/gpu/test_tp2_export.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt" ;;
-    int4) SGLANG_HS_GPU_RESULTS=$OUT/gpu_int4.json python3 -m pytest -v -rs -s -m gpu test/gpu/test_int4_gpu.py \
+    int4) SGLANG_HS_GPU_RESULTS=$OUT/gpu_int4.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_int4_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4.txt" ;;
-    families) SGLANG_HS_GPU_RESULTS=$OUT/gpu_families.json python3 -m pytest -v -rs -m gpu test/gpu/test_families_gpu.py \
+    families) SGLANG_HS_GPU_RESULTS=$OUT/gpu_families.json $T python3 -m pytest -v -rs -m gpu test/gpu/test_families_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
-    *) python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
+    *) $T python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac
   tar czf "$OUT/logs.tgz" -C $SGLANG_HS_LOGS .  # server logs (at most 8 files come back)
