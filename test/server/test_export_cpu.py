@@ -224,7 +224,7 @@ _OPTIONS = st.one_of(
 
 
 @given(rid=_RIDS, ids=_IDS, options=_OPTIONS, custom_params_is_a_dict=st.booleans())
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_hostile_request_shapes_get_a_clear_answer_and_the_server_keeps_serving(
         tiny_server, rid, ids, options, custom_params_is_a_dict):
