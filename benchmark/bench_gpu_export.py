@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the dev harness
 
 from harness.bench import measure_prefill, provenance, random_prompts  # noqa: E402
-from sglang_hs.format import read_manifest, validate_export  # noqa: E402
+from sglang_hs.format import iter_samples, read_export_json, sample_errors  # noqa: E402
 from sglang_hs.tools.serve import LocalServer  # noqa: E402
 
 LLAMA3_8B = {
@@ -36,8 +36,8 @@ LLAMA3_8B = {
 FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton",
          "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.45",
          "--max-total-tokens", "300000"]
-CLIENTS = 64
-SHAPES = [(1024, 192), (4096, 64)]  # (prompt length, prompts per round)
+# (prompt length, prompts per round, concurrent clients)
+SHAPES = [(1024, 192, 64), (4096, 64, 64), (1024, 256, 128)]
 
 
 def gpu_mem_by_server(servers):
@@ -61,10 +61,29 @@ def last_stats(log_path):
     return json.loads(lines[-1].split("sglang-hs stats:", 1)[1]) if lines else None
 
 
+def consume(export_dir, prefix, seen):
+    """What a trainer does with a round's samples: read and check each, then delete it, so
+    /dev/shm holds one round at a time (5 rounds of 8B rows would not fit in it)."""
+    info = read_export_json(export_dir)
+    done = {"samples": 0, "bytes": 0, "errors": []}
+    for entry, path in iter_samples(export_dir):
+        if entry["id"] in seen or not entry["id"].startswith(prefix):
+            continue
+        seen.add(entry["id"])
+        errors, _ = sample_errors(info, entry["id"], path, entry.get("num_tokens"), None, True)
+        done["samples"] += 1
+        done["bytes"] += os.path.getsize(path)
+        done["errors"] += errors[:2]
+        os.remove(path)
+    return done
+
+
 def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, save=lambda res: None):
-    """Two servers side by side, measured in alternating rounds: "off" (no export) vs "on"
-    (export); with fp8, "off" exports in bf16 and "on" in fp8 (the fp8/bf16 ratio).
-    `save(res)` after every round, so a run cut short by a time limit keeps its rounds."""
+    """Two servers side by side, measured in rounds whose order rotates: "off" (no export) vs
+    "on" (export), plus "on_opt_out" (the export server, requests that say export: false),
+    which splits the cost of export mode (aux capture in the model) from that of staging and
+    writing rows. With fp8, "off" exports in bf16 and "on" in fp8 (the fp8/bf16 ratio).
+    `save(res)` after every measurement, so a run cut short by a time limit keeps its rounds."""
     extra = [] if radix else ["--disable-radix-cache"]
     export_dir = tempfile.mkdtemp(prefix="hs-", dir="/dev/shm")
     base_dir = tempfile.mkdtemp(prefix="hs-bf16-", dir="/dev/shm")
@@ -73,54 +92,70 @@ def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, sav
     off_extra = ["--export-hidden-states-dir", base_dir] if fp8 else []
     on_extra = ["--export-dtype", "fp8_e4m3"] if fp8 else []
     tag = "fp8" if fp8 else radix
+    warm = random_prompts(64, 1024, seed=7, vocab=128000)
+    seen = set()
+    consumed = {"samples": 0, "bytes": 0, "errors": []}
+    consumed_base = {"samples": 0, "bytes": 0, "errors": []}  # fp8: the bf16 export of "off"
     with LocalServer(["--model-path", model_dir, *FLAGS, *extra, *off_extra], f"{work}/off-{tag}.log",
                      cpu=False) as off:
         res["startup_s_off"] = off.startup_s
+        measure_prefill(off.url, warm, 64, rid_prefix="warm" if fp8 else None)
+        res["gpu_mem_mib_off_alone"] = gpu_mem_by_server({"off": off})["off"]  # before "on" exists
         with LocalServer(["--model-path", model_dir, *FLAGS, *extra, "--export-hidden-states-dir", export_dir,
                           *on_extra], f"{work}/on-{tag}.log", cpu=False) as on:
             res["startup_s_on"] = on.startup_s
-            warm = random_prompts(64, 1024, seed=7, vocab=128000)
-            measure_prefill(off.url, warm, CLIENTS, rid_prefix="warm" if fp8 else None)
-            measure_prefill(on.url, warm, CLIENTS, rid_prefix="warm")
+            measure_prefill(on.url, warm, 64, rid_prefix="warm")
             res["gpu_mem_mib_idle"] = gpu_mem_by_server({"off": off, "on": on})
-            for length, n in SHAPES:
-                rows = {"off": [], "on": []}
+            arms = [("off", off, None), ("on", on, None)] + ([] if fp8 else [("on_opt_out", on, False)])
+            for length, n, clients in SHAPES:
+                key = f"{length}x{clients}"
+                rows = {name: [] for name, _, _ in arms}
                 for r in range(rounds):
-                    ps = random_prompts(n, length, seed=1000 * length + r, vocab=128000)
-                    order = [("off", off, f"L{length}-r{r}" if fp8 else None), ("on", on, f"L{length}-r{r}")]
-                    for name, srv, rid in (order if r % 2 == 0 else order[::-1]):
-                        m = measure_prefill(srv.url, ps, CLIENTS, rid_prefix=rid)
+                    ps = random_prompts(n, length, seed=1000 * length + 7 * clients + r, vocab=128000)
+                    order = arms[r % len(arms):] + arms[:r % len(arms)]
+                    for name, srv, export in order:
+                        rid = f"{key}-r{r}-{name}" if (name == "on" or fp8) else None
+                        m = measure_prefill(srv.url, ps, clients, rid_prefix=rid, export=export)
+                        m["position_in_round"] = order.index((name, srv, export))
                         rows[name].append(m)
-                        res["shapes"][str(length)] = {"rounds": rows, "complete": False}
+                        res["shapes"][key] = {"rounds": rows, "complete": False}
                         save(res)
-                        print(f"{tag} L={length} round {r} {name}: {m['tokens_per_s']:.0f} tok/s",
-                              flush=True)
-                ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rows["on"], rows["off"])]
-                res["shapes"][str(length)] = {
-                    "rounds": rows, "ratio_per_round": ratios, "ratio_median": statistics.median(ratios),
-                    "tokens_per_s_median": {k: statistics.median(x["tokens_per_s"] for x in v)
-                                            for k, v in rows.items()},
-                }
+                        print(f"{tag} {key} round {r} {name}: {m['tokens_per_s']:.0f} tok/s "
+                              f"p50 {m['latency_ms_p50']} ms", flush=True)
+                    for d, total in ((export_dir, consumed), (base_dir, consumed_base)):
+                        got = consume(d, f"{key}-r{r}-", seen)
+                        for k in ("samples", "bytes"):
+                            total[k] += got[k]
+                        total["errors"] += got["errors"]
+                res["shapes"][key] = summarize(rows)
+                save(res)
             res["gpu_mem_mib_after"] = gpu_mem_by_server({"off": off, "on": on})
             time.sleep(11)  # one more stats line from the writer
-            on_rounds = [m for s in res["shapes"].values() for m in s["rounds"]["on"]]
             res["export_stats"] = last_stats(on.log_path)
-            rep = validate_export(export_dir)
-            res["export_validation"] = {"ok": rep.ok, "samples": rep.samples, "errors": rep.errors[:10]}
-            entries = read_manifest(export_dir)
-            res["exported_samples"] = len(entries)
-            total_bytes = sum(os.path.getsize(os.path.join(export_dir, e["path"])) for e in entries)
-            res["exported_bytes"] = total_bytes
-            timed_tokens = sum(m["tokens"] for m in on_rounds)
-            timed_s = sum(m["seconds"] for m in on_rounds)
-            res["write_GBps_during_timed_rounds"] = (total_bytes * timed_tokens /
-                                                     max(1, sum(e["num_tokens"] for e in entries))) / timed_s / 1e9
-            if fp8:
-                base = read_manifest(base_dir)
-                res["exported_bytes_bf16"] = sum(os.path.getsize(os.path.join(base_dir, e["path"])) for e in base)
-                res["bytes_fp8_over_bf16"] = total_bytes / max(1, res["exported_bytes_bf16"])
+            res["consumed"] = consumed
+            timed = [m for s in res["shapes"].values() for m in s["rounds"]["on"]]
+            res["write_GBps_during_timed_rounds"] = consumed["bytes"] / sum(m["seconds"] for m in timed) / 1e9
+            if fp8:  # both arms exported the same prompts
+                res["consumed_bf16"] = consumed_base
+                res["bytes_fp8_over_bf16"] = consumed["bytes"] / max(1, consumed_base["bytes"])
     subprocess.run(["rm", "-rf", export_dir, base_dir])
     return res
+
+
+def summarize(rows):
+    """Per arm: median tokens/s; per arm vs "off": the per-round ratios, their median and range."""
+    out = {"rounds": rows, "tokens_per_s_median": {k: statistics.median(x["tokens_per_s"] for x in v)
+                                                   for k, v in rows.items()}}
+    for name, v in rows.items():
+        if name == "off":
+            continue
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(v, rows["off"])]
+        out[f"ratio_{name}"] = {"per_round": ratios, "median": statistics.median(ratios),
+                                "min": min(ratios), "max": max(ratios)}
+    out["ratio_median"] = out["ratio_on"]["median"]
+    out["latency_ms_p50_median"] = {k: statistics.median(x["latency_ms_p50"] for x in v) for k, v in rows.items()}
+    out["latency_ms_p99_median"] = {k: statistics.median(x["latency_ms_p99"] for x in v) for k, v in rows.items()}
+    return out
 
 
 def phase_baselines(model_dir, work):
@@ -182,7 +217,6 @@ def main():
     data.setdefault("benchmark", "gpu_export_on_vs_off_llama3_8b_geometry")
     data.setdefault("provenance", {})[a.phase] = provenance([sys.executable, *sys.argv])
     data["server_flags"] = FLAGS
-    data["clients"] = CLIENTS
     data["shapes"] = SHAPES
     if a.phase == "baselines":
         data["baselines"] = phase_baselines(model_dir, a.work)

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence
 
 import requests
 
+from sglang_hs.protocol import REQUEST_KEY
+
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 32000) -> List[List[int]]:
     rng = random.Random(seed)
@@ -21,14 +23,18 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 32000) -> List[L
 
 
 def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, rid_prefix: Optional[str] = None,
-                    extra: Optional[dict] = None) -> Dict[str, float]:
-    """Send every prompt once (max_new_tokens=1) with `concurrency` clients; prompt tokens/s."""
+                    extra: Optional[dict] = None, export: Optional[bool] = None) -> Dict[str, float]:
+    """Send every prompt once (max_new_tokens=1) with `concurrency` clients; prompt tokens/s.
+    export=False asks an export server not to export these requests (the request option)."""
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=concurrency)
     session.mount("http://", adapter)
 
     def one(i):
-        body = {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": 1, "temperature": 0}, **(extra or {})}
+        sp = {"max_new_tokens": 1, "temperature": 0}
+        if export is not None:
+            sp["custom_params"] = {REQUEST_KEY: {"export": export}}
+        body = {"input_ids": prompts[i], "sampling_params": sp, **(extra or {})}
         if rid_prefix:
             body["rid"] = f"{rid_prefix}-{i:06d}"
         t = time.perf_counter()
