@@ -30,5 +30,6 @@ for step in "$@"; do
     *) $T python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac
-  tar czf "$OUT/logs.tgz" -C $SGLANG_HS_LOGS .  # server logs (at most 8 files come back)
+  # server logs only (checkpoints and exports there are too big to come back; at most 8 files do)
+  (cd $SGLANG_HS_LOGS && tar czf "$OUT/logs.tgz" $(find . -maxdepth 1 -name '*.log'))
 done

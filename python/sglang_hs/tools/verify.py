@@ -29,7 +29,9 @@ from sglang_hs.format import (
 
 # Pass when the export's error vs fp32 is at most this multiple of HF bf16's own error...
 MAX_ERROR_RATIO = 2.0
-# ...and the mean per-token cosine similarity vs fp32 is at least this.
+# ...and the mean per-token cosine similarity vs fp32 is at least this, or falls short of it
+# no further than HF's own bf16 forward does (1 - cos grows as the error squared, hence the
+# ratio squared): a random MoE in bf16 flips routing choices, and HF bf16 drops below 0.999 too.
 MIN_MEAN_COSINE = 0.999
 
 
@@ -42,11 +44,13 @@ class PlaneStats:
     min_cos: float
     max_abs: float
     rel_err_storage: float = 0.0  # the fp32 reference stored the export's way, vs itself
+    mean_cos_hf_bf16: float = 1.0  # HF's own bf16 forward vs fp32
 
     @property
     def ok(self) -> bool:
         allowed = MAX_ERROR_RATIO * (self.rel_err_hf_bf16 + self.rel_err_storage) + 1e-6
-        return self.rel_err <= allowed and self.mean_cos >= MIN_MEAN_COSINE
+        floor = min(MIN_MEAN_COSINE, 1 - MAX_ERROR_RATIO ** 2 * (1 - self.mean_cos_hf_bf16))
+        return self.rel_err <= allowed and self.mean_cos >= floor
 
 
 @dataclasses.dataclass
@@ -72,11 +76,11 @@ class VerifyReport:
 
     def table(self) -> str:
         lines = [f"{'plane':>10} {'err vs fp32':>12} {'HF bf16 err':>12} {'storage err':>12} {'ratio':>6} "
-                 f"{'mean cos':>9} {'min cos':>8} {'max |d|':>8}  ok"]
+                 f"{'mean cos':>9} {'HF bf16 cos':>11} {'min cos':>8} {'max |d|':>8}  ok"]
         for p in self.planes:
             lines.append(f"{p.name:>10} {p.rel_err:12.3e} {p.rel_err_hf_bf16:12.3e} {p.rel_err_storage:12.3e} "
                          f"{p.rel_err / max(p.rel_err_hf_bf16 + p.rel_err_storage, 1e-12):6.2f} {p.mean_cos:9.6f} "
-                         f"{p.min_cos:8.5f} {p.max_abs:8.4f}  {'yes' if p.ok else 'NO'}")
+                         f"{p.mean_cos_hf_bf16:11.6f} {p.min_cos:8.5f} {p.max_abs:8.4f}  {'yes' if p.ok else 'NO'}")
         return "\n".join(lines)
 
 
@@ -136,13 +140,21 @@ def stored(x: torch.Tensor, storage: Storage) -> torch.Tensor:
 def _accumulate(acc: Dict[str, list], name: str, got: torch.Tensor, ref: torch.Tensor, hf16: torch.Tensor,
                 storage: Storage):
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    a = acc.setdefault(name, [0.0, 0.0, 0.0, [], 0.0, 0.0])
+    a = acc.setdefault(name, [0.0, 0.0, 0.0, [], 0.0, 0.0, []])
     a[0] += float((got - ref).pow(2).sum())
     a[1] += float((hf16 - ref).pow(2).sum())
     a[2] += float(ref.pow(2).sum())
     a[3].append(cos)
     a[4] = max(a[4], float((got - ref).abs().max()))
     a[5] += float((stored(ref, storage) - ref).pow(2).sum())
+    a[6].append(torch.nn.functional.cosine_similarity(hf16, ref, dim=-1))
+
+
+def _plane(name: str, a: list) -> PlaneStats:
+    se, se16, ss, cos, mx, sst, cos16 = a
+    cos = torch.cat(cos)
+    return PlaneStats(name, (se / ss) ** 0.5, (se16 / ss) ** 0.5, float(cos.mean()), float(cos.min()), mx,
+                      (sst / ss) ** 0.5, float(torch.cat(cos16).mean()))
 
 
 def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optional[int] = 8,
@@ -177,13 +189,6 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
                 _accumulate(acc, name, got, r, h, storage)
         n += 1
         tokens += tok.numel()
-    planes = []
-    for name in names:
-        if name not in acc:
-            continue
-        se, se16, ss, cos, mx, sst = acc[name]
-        cos = torch.cat(cos)
-        planes.append(PlaneStats(name, (se / ss) ** 0.5, (se16 / ss) ** 0.5, float(cos.mean()),
-                                 float(cos.min()), mx, (sst / ss) ** 0.5))
+    planes = [_plane(name, acc[name]) for name in names if name in acc]
     return VerifyReport(n, tokens, planes, fmt.errors)
 
