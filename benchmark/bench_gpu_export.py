@@ -113,9 +113,13 @@ def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, sav
                 for r in range(rounds):
                     ps = random_prompts(n, length, seed=1000 * length + 7 * clients + r, vocab=128000)
                     order = arms[r % len(arms):] + arms[:r % len(arms)]
+                    # The opt-out arm runs on the export server too: prompts of its own, or the
+                    # prefix cache would serve it the rows "on" computed in the same round.
+                    ps_opt_out = random_prompts(n, length, seed=1000 * length + 7 * clients + r + 500, vocab=128000)
                     for name, srv, export in order:
                         rid = f"{key}-r{r}-{name}" if (name == "on" or fp8) else None
-                        m = measure_prefill(srv.url, ps, clients, rid_prefix=rid, export=export)
+                        m = measure_prefill(srv.url, ps_opt_out if name == "on_opt_out" else ps, clients,
+                                            rid_prefix=rid, export=export)
                         m["position_in_round"] = order.index((name, srv, export))
                         rows[name].append(m)
                         res["shapes"][key] = {"rounds": rows, "complete": False}

@@ -14,31 +14,41 @@ import matplotlib.pyplot as plt  # noqa: E402
 src = sys.argv[1] if len(sys.argv) > 1 else "benchmark/results/gpu_export_h200.json"
 dst = sys.argv[2] if len(sys.argv) > 2 else src.replace(".json", ".png")
 d = json.load(open(src))
-labels, values, colors = [], [], []
+labels, values, colors, spans = [], [], [], []
+ARM = {"off": ("export off", "#9e9e9e"), "on": ("export ON", "#1565c0"),
+       "on_opt_out": ("export server,\nrequests opt out", "#64b5f6")}
 for phase, name in (("radix-on", "prefix cache on"), ("radix-off", "prefix cache off")):
-    for length, s in d.get(phase, {}).get("shapes", {}).items():
-        med = s["tokens_per_s_median"]
-        labels += [f"{length} tok\n{name}\nexport off", f"{length} tok\n{name}\nexport ON ({s['ratio_median']:.2f}x)"]
-        values += [med["off"], med["on"]]
-        colors += ["#9e9e9e", "#1565c0"]
+    for shape, s in d.get(phase, {}).get("shapes", {}).items():
+        for arm, tps in s["tokens_per_s_median"].items():
+            ratio = s.get("ratio_vs_off", {}).get(arm, {}).get("median", s["ratio_median"] if arm == "on" else None)
+            text, color = ARM[arm]
+            labels.append(f"{shape}\n{name}\n{text}" + (f"\n({ratio:.3f}x)" if ratio else ""))
+            values.append(tps)
+            colors.append(color)
+            # the spread of the rounds (an opt-out round served from the prefix cache is left out)
+            runs = [m["tokens_per_s"] for m in s["rounds"][arm] if m["tokens_per_s"] < 1.5 * s["tokens_per_s_median"]["off"]]
+            spans.append((tps - min(runs), max(runs) - tps))
 b = d.get("baselines", {})
 if "return_hidden_states" in b:
     labels.append("1024 tok\nupstream\nreturn_hidden_states")
     values.append(b["return_hidden_states"]["tokens_per_s"])
     colors.append("#c62828")
+    spans.append((0, 0))
 if "hf_transformers" in b:
     labels.append("1024 tok\nHF transformers\nforward + write")
     values.append(b["hf_transformers"]["tokens_per_s"])
     colors.append("#ef6c00")
+    spans.append((0, 0))
 fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(values)), 5))
-bars = ax.bar(range(len(values)), values, color=colors)
+bars = ax.bar(range(len(values)), values, color=colors, yerr=list(zip(*spans)), capsize=3)
 for bar, v in zip(bars, values):
     ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
 ax.set_xticks(range(len(values)), labels, fontsize=7)
 ax.set_ylabel("prompt tokens / s")
 gpu = d.get("provenance", {}).get("radix-on", {}).get("hardware", {}).get("gpu", "GPU")
 ax.set_title(f"sglang-hs hidden-state export, SGLang 0.5.17, Llama-3-8B geometry\n"
-             f"{gpu}, 64 clients, CUDA graphs on, export to /dev/shm", fontsize=10)
+             f"{gpu}, shape = prompt tokens x clients, medians of alternating rounds (bars: min-max of the rounds)\n"
+             f"CUDA graphs on, export to /dev/shm", fontsize=9)
 fig.tight_layout()
 fig.savefig(dst, dpi=120)
 print(dst)
