@@ -10,8 +10,8 @@ trained for a few optimiser steps by each trainer's own EAGLE-3 entry point.
               batches to `local_rank`, an int, i.e. cuda:0);
      shim S2: `torch.accelerator.synchronize` -> no-op (its step timer syncs the GPU).
 3. SpecForge 0.2.0: `specforge train --config DEST/specforge.yaml` (the file `convert` wrote)
-   with overrides only (`training.fsdp_sharding=NO_SHARD`, steps, logging), plus one shim:
-     shim F1: its `LogSoftmaxLoss` is a Triton kernel (GPU only): the same value in torch.
+   with overrides only (`training.fsdp_sharding=NO_SHARD`, steps, logging), through
+   harness.trainers and its one CPU shim (F1: its Triton `LogSoftmaxLoss`, the same value in torch).
 Each trainer's per-step loss and step-0 accuracy are read from its own metric output.
 Writes benchmark/results/train_smoke_cpu.json.
 
@@ -21,11 +21,9 @@ Writes benchmark/results/train_smoke_cpu.json.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +34,8 @@ from importlib import resources
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = os.path.join(REPO, ".cache", "trainers")
 sys.path.insert(0, REPO)
+
+from harness.trainers import SPECFORGE_SHIMS_CPU, specforge_cmd, specforge_steps  # noqa: E402
 
 
 def run_speculators(argv, metrics_path):
@@ -62,25 +62,6 @@ def run_speculators(argv, metrics_path):
 
     cli.setup_metric_logger = setup_and_record
     cli.main(TrainConfig.resolve(argv))
-
-
-def run_specforge(argv):
-    """In a child process: SpecForge's own `specforge train` with shim F1."""
-    import torch
-
-    sys.path.append(TRAINERS)
-    import specforge.algorithms.eagle3.model as eagle3
-
-    class EagerLogSoftmaxLoss:  # F1: the mean over positions of -sum(p * log_softmax(logits)), masked
-        @staticmethod
-        def apply(logits, target, position_mask):
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            return (-(target.float() * lp).sum(-1) * position_mask.reshape(logits.shape[:2]).float()).mean()
-
-    eagle3.LogSoftmaxLoss = EagerLogSoftmaxLoss
-    from specforge.cli import main
-
-    sys.exit(main(argv))
 
 
 def capture_and_convert(work: str, samples: int) -> dict:
@@ -125,16 +106,16 @@ def train_speculators(work: str, model: str, epochs: int, extra=()) -> dict:
 
 
 def train_specforge(work: str, steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--child-specforge", "train", "--config",
-           os.path.join(work, "specforge", "specforge.yaml"), "training.fsdp_sharding=NO_SHARD",
-           f"training.max_steps={steps}", "training.log_interval=1", "training.learning_rate=1e-3",
-           "training.warmup_ratio=0.0", "training.lr_scheduler=constant",
-           f"output_dir={os.path.join(work, 'specforge-out')}", f"data.cache_dir={os.path.join(work, 'sf-cache')}"]
+    cmd = specforge_cmd("train", "--config", os.path.join(work, "specforge", "specforge.yaml"),
+                        "training.fsdp_sharding=NO_SHARD", f"training.max_steps={steps}", "training.log_interval=1",
+                        "training.learning_rate=1e-3", "training.warmup_ratio=0.0", "training.lr_scheduler=constant",
+                        f"output_dir={os.path.join(work, 'specforge-out')}",
+                        f"data.cache_dir={os.path.join(work, 'sf-cache')}")
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    steps_seen = [ast.literal_eval(m.group(1)) for m in re.finditer(r"^step \d+: (\{.*\})$", r.stdout, re.M)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    steps_seen = specforge_steps(r.stdout)
     return {"returncode": r.returncode, "seconds": round(time.time() - t0, 1), "command": cmd[3:],
-            "shims": ["F1 LogSoftmaxLoss (Triton) -> the same loss in torch"],
+            "shims": SPECFORGE_SHIMS_CPU,
             "loss": [s.get("loss") for s in steps_seen], "step0_accuracy": [s.get("acc_0") for s in steps_seen],
             "log_tail": (r.stdout + r.stderr)[-3000:] if r.returncode else ""}
 
@@ -152,8 +133,6 @@ def summarise(run: dict) -> dict:
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--child-speculators":
         return run_speculators(sys.argv[3:], sys.argv[2])
-    if len(sys.argv) > 1 and sys.argv[1] == "--child-specforge":
-        return run_specforge(sys.argv[2:])
     p = argparse.ArgumentParser()
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--steps", type=int, default=30, help="SpecForge optimiser steps")

@@ -1,0 +1,333 @@
+"""End to end: the serving runtime's own states train an EAGLE-3 drafter that SGLang serves; a
+drafter trained on Hugging Face states of the very same tokens is the control.
+
+Phases (each reads and writes one work folder, so GPU calls can run them apart):
+  capture  the target, served quantized with export on, regenerates responses (greedy) to
+           --train-prompts generated prompts and --eval-prompts held-out ones; both are captured,
+           converted for SpecForge, and split into train/ and eval/.
+  hf       the same token sequences through HF transformers in bf16 (SpecForge's former HF
+           dumper: hidden_state = post-norm last, aux = HF hidden_states[k] at the export's ids).
+  train    SpecForge 0.2.0 `specforge train`, once per state source, the same config, seed and
+           data order; each evaluated on the runtime's held-out states (offline step-0 accuracy).
+  export   `specforge.export.to_sglang`, then the draft config SGLang reads (untied lm_head,
+           aux ids in SGLang's numbering).
+  serve    the quantized target with each draft (EAGLE3, temperature 0) on the held-out prompts,
+           per draft config, and the target alone: accept length, output tokens/s.
+
+    python benchmark/e2e_eagle3.py --work /tmp/e2e --model M --phases capture hf train export serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from harness.bench import provenance  # noqa: E402
+from harness.trainers import specforge_cmd, specforge_steps, to_sglang_cmd  # noqa: E402
+
+TASKS = [
+    "Explain {} to a ten-year-old.", "Write a short poem about {}.", "List three facts about {}.",
+    "What are the pros and cons of {}?", "Give me a one-paragraph summary of {}.",
+    "Write a haiku about {}.", "How would you teach {} to a beginner?", "Tell a short story involving {}.",
+    "What is a common misconception about {}?", "Describe {} in five sentences.",
+    "Write a product description for something related to {}.", "What questions should I ask an expert on {}?",
+    "Compare {} with something from everyday life.", "Write a friendly email inviting a friend to learn about {}.",
+    "Give step-by-step advice for getting started with {}.", "What is the history of {} in brief?",
+    "Write a limerick about {}.", "Why does {} matter?", "Create a quiz with three questions about {}.",
+    "Summarize the main ideas behind {} as bullet points.",
+]
+SUBJECTS = [
+    "photosynthesis", "the moon", "volcanoes", "honeybees", "the internet", "rainbows", "the Roman Empire",
+    "gardening", "chess", "recycling", "black holes", "the water cycle", "bicycles", "coffee", "penguins",
+    "electricity", "the ocean", "friendship", "music theory", "baking bread", "time zones", "earthquakes",
+    "dinosaurs", "the human heart", "solar panels", "sleep", "origami", "trains", "vaccines", "maps",
+    "mountains", "jazz", "the printing press", "clouds", "fractions", "magnets", "libraries", "tea",
+    "deserts", "robots", "the alphabet", "olympic games", "soap", "whales", "compost", "lighthouses",
+    "spiders", "saving money", "the Silk Road", "snowflakes", "video games", "bridges", "the immune system",
+    "kites", "ancient Egypt", "forests", "public speaking", "cheese", "comets", "glass", "marathons",
+    "the metric system", "elephants", "yoga", "airplanes", "paper", "coral reefs", "birthdays", "rivers",
+    "calendars", "democracy", "cooking rice", "the seasons", "telescopes", "autumn leaves", "ants",
+    "swimming", "the periodic table", "dreams", "windmills", "puzzles", "owls", "salt", "languages",
+    "castles", "thunderstorms", "the stock market", "camping", "pianos", "batteries", "tides", "butterflies",
+    "pottery", "the Great Wall", "wolves", "gravity", "letters and postcards", "tomatoes", "planets",
+    "sunscreen",
+]
+# SGLang 0.5.17's EAGLE-3 draft configs: steps / top-k / draft tokens; None = SGLang's own choice.
+DRAFT_CONFIGS = {"topk1-steps3": ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                  "--speculative-num-draft-tokens", "4"],
+                 "sglang-default": []}
+SOURCES = ("runtime", "hf")  # whose states a drafter trains on
+
+
+def prompts(n_train: int, n_eval: int, seed: int = 0):
+    """Disjoint generated prompt sets: every (task, subject) pair once, shuffled."""
+    pairs = [t.format(s) for t in TASKS for s in SUBJECTS]
+    if n_train + n_eval > len(pairs):
+        raise SystemExit(f"at most {len(pairs)} prompts: --train-prompts + --eval-prompts is too large")
+    random.Random(seed).shuffle(pairs)
+    return pairs[:n_train], pairs[n_train:n_train + n_eval]
+
+
+def server_args(a, model):
+    gpu = a.device == "cuda"
+    # Graphs for the batch sizes these runs reach (16 clients decode, prefill chunks); fewer
+    # captured sizes start a server in well under a minute.
+    extra = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5",
+             "--cuda-graph-max-bs-decode", "64", "--cuda-graph-max-bs-prefill", "1024"] if gpu else []
+    quant = ["--quantization", a.quantization] if a.quantization else []
+    return ["--model-path", model, "--skip-server-warmup", *extra, *quant]
+
+
+def phase_capture(a, w, res):
+    from sglang_hs.tools.capture import CaptureConfig, capture
+    from sglang_hs.tools.convert import inspect_export, to_specforge
+    from sglang_hs.tools.serve import LocalServer
+
+    train, held_out = prompts(a.train_prompts, a.eval_prompts)
+    export = os.path.join(w, "export")
+    sets = {}
+    for name, ps in (("train", train), ("eval", held_out)):
+        path = os.path.join(w, f"{name}.jsonl")
+        with open(path, "w") as f:
+            for i, p in enumerate(ps):
+                # capture --regenerate has the target write every assistant turn (empty here)
+                msgs = [{"role": "user", "content": p}, {"role": "assistant", "content": ""}]
+                f.write(json.dumps({"id": f"{name}-{i:05d}", "messages": msgs}) + "\n")
+        sets[name] = path
+    args = [*server_args(a, a.model), "--export-hidden-states-dir", export]
+    t0 = time.time()
+    with LocalServer(args, os.path.join(w, "capture-server.log"), cpu=a.device == "cpu") as srv:
+        res["capture"] = {"startup_s": srv.startup_s, "server_args": args}
+        for name, path in sets.items():
+            s = capture(CaptureConfig(servers=[srv.url], data=path, out=export, regenerate=True,
+                                      max_new_tokens=a.max_new_tokens, concurrency=64, progress=False))
+            res["capture"][name] = s.line()
+    res["capture"]["seconds"] = round(time.time() - t0, 1)
+    res["capture"]["export"] = inspect_export(export)
+    sf = os.path.join(w, "sf")
+    rep = to_specforge(export, sf)
+    res["capture"]["convert"] = rep.line()
+    # One export, two sets: move each sample's file under train/ or eval/ by its id.
+    ids = json.load(open(os.path.join(sf, "sglang_hs_index.json")))["ids"]
+    for idx, sid in enumerate(ids):
+        src, = glob.glob(os.path.join(sf, "rows_*", f"data_{idx}.ckpt"))
+        dst = os.path.join(sf, "runtime", sid.split("-", 1)[0], os.path.relpath(src, sf))
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        os.replace(src, dst)
+    for d in glob.glob(os.path.join(sf, "rows_*")):
+        os.rmdir(d)
+    res["capture"]["samples"] = {k: len(glob.glob(os.path.join(sf, "runtime", k, "*", "*.ckpt"))) for k in sets}
+
+
+def phase_hf(a, w, res):
+    """The runtime's training tokens and masks, states from HF transformers in bf16."""
+    import torch
+
+    from sglang_hs.format import read_export_json
+    from sglang_hs.tools.verify import hf_planes, load_hf
+
+    ids = read_export_json(os.path.join(w, "export"))["aux_layer_ids"]
+    model = load_hf(a.hf_model or a.model, torch.bfloat16, a.device)
+    src_root, dst_root = os.path.join(w, "sf", "runtime", "train"), os.path.join(w, "sf", "hf", "train")
+    cos = {f"aux[{k}]": [] for k in ids} | {"final": []}
+    t0 = time.time()
+    for src in sorted(glob.glob(os.path.join(src_root, "*", "*.ckpt"))):
+        d = torch.load(src)
+        tok = d["input_ids"].reshape(-1)
+        planes = hf_planes(model, tok, ids).to(torch.bfloat16).cpu()  # [T, K+1, H]
+        n = tok.numel()
+        out = {"input_ids": d["input_ids"], "loss_mask": d["loss_mask"],
+               "hidden_state": planes[:, -1][None].clone(), "aux_hidden_state": planes[:, :-1].reshape(1, n, -1).clone()}
+        dst = os.path.join(dst_root, os.path.relpath(src, src_root))
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        torch.save(out, dst)
+        # How far the two runtimes' states are apart, per plane (mean cosine over tokens).
+        ours = torch.cat([d["aux_hidden_state"].reshape(n, len(ids), -1), d["hidden_state"].reshape(n, 1, -1)], 1)
+        c = torch.nn.functional.cosine_similarity(ours.float(), planes.float(), dim=-1)  # [T, K+1]
+        for j, name in enumerate(cos):
+            cos[name].append(c[:, j])
+    res["hf"] = {"seconds": round(time.time() - t0, 1), "model": a.hf_model or a.model, "dtype": "bfloat16",
+                 "runtime_vs_hf_mean_cosine": {k: float(torch.cat(v).mean()) for k, v in cos.items()},
+                 "runtime_vs_hf_p01_cosine": {k: float(torch.cat(v).quantile(0.01)) for k, v in cos.items()}}
+
+
+def draft_config(w, target_path, aux_ids):
+    """A one-layer LlamaForCausalLMEagle3 draft config of the target's geometry (what SpecForge
+    would generate), written once and shared by both runs and the export."""
+    path = os.path.join(w, "draft_config.json")
+    t = json.load(open(os.path.join(target_path, "config.json")))
+    keep = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "max_position_embeddings", "rms_norm_eps", "hidden_act", "head_dim", "rope_theta", "rope_parameters",
+            "rope_scaling", "bos_token_id", "eos_token_id", "attention_bias")
+    cfg = {k: t[k] for k in keep if t.get(k) is not None}
+    cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "tie_word_embeddings": False, "pad_token_id": t.get("pad_token_id") or 0, "use_cache": True,
+            "draft_vocab_size": min(32000, t["vocab_size"]), "torch_dtype": "bfloat16",
+            # SGLang counts an aux layer one lower than HF's output_hidden_states index.
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux_ids],
+                             "use_aux_hidden_state": True}}
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def phase_train(a, w, res):
+    from sglang_hs.format import read_export_json
+
+    aux_ids = read_export_json(os.path.join(w, "export"))["aux_layer_ids"]
+    cfg_path = draft_config(w, a.model, aux_ids)
+    res["train"] = {"draft_config": json.load(open(cfg_path))}
+    sf = os.path.join(w, "sf")
+    for src in SOURCES:
+        out = os.path.join(w, f"train-{src}")
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = specforge_cmd(
+            "train", "--config", os.path.join(sf, "specforge.yaml"),
+            f"data.hidden_states_path={os.path.join(sf, src, 'train')}",
+            f"data.eval_hidden_states_path={os.path.join(sf, 'runtime', 'eval')}",
+            f"training.eval_interval={a.steps}", f"training.max_steps={a.steps}", f"training.num_epochs={a.epochs}",
+            f"training.seed={a.seed}", f"training.learning_rate={a.lr}", "training.log_interval=10",
+            "training.fsdp_sharding=NO_SHARD", f"model.draft_model_config={cfg_path}",
+            f"output_dir={out}", f"data.cache_dir={os.path.join(w, 'sf-cache')}",
+            f"model.cache_dir={os.path.join(w, 'sf-cache')}", "data.dataloader_num_workers=2")
+        t0 = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        with open(os.path.join(w, f"train-{src}.log"), "w") as f:
+            f.write(r.stdout + r.stderr)
+        steps = specforge_steps(r.stdout)
+        shims = [ln.split(":", 1)[1].strip() for ln in r.stdout.splitlines() if ln.startswith("harness.trainers shims")]
+        train = [s for s in steps if "loss" in s]
+        evals = [s for s in steps if any(k.startswith("eval") for k in s)]
+        res["train"][src] = {
+            "returncode": r.returncode, "seconds": round(time.time() - t0, 1), "command": cmd[3:],
+            "shims": shims[0] if shims else None, "steps_logged": len(train), "loss": [s["loss"] for s in train], "acc_0": [s.get("acc_0") for s in train],
+            "eval": evals[-1] if evals else None, "log_tail": (r.stdout + r.stderr)[-2500:] if r.returncode else ""}
+        if r.returncode:
+            raise SystemExit(f"specforge train ({src}) failed: see {w}/train-{src}.log")
+
+
+def phase_export(a, w, res):
+    res["export"] = {}
+    for src in SOURCES:
+        dst = os.path.join(w, f"draft-{src}")
+        shutil.rmtree(dst, ignore_errors=True)
+        cmd = to_sglang_cmd("--checkpoint", os.path.join(w, f"train-{src}"),
+                            "--draft-config", os.path.join(w, "draft_config.json"), "--output-dir", dst)
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if r.returncode:
+            raise SystemExit(f"to_sglang ({src}) failed:\n{(r.stdout + r.stderr)[-3000:]}")
+        cfg = json.load(open(os.path.join(dst, "config.json")))
+        want = json.load(open(os.path.join(w, "draft_config.json")))["eagle_config"]
+        cfg["tie_word_embeddings"] = False  # else SGLang drops the trained lm_head
+        cfg["eagle_config"] = {**cfg.get("eagle_config", {}), **want}
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        res["export"][src] = {"dir": dst, "files": sorted(os.listdir(dst)),
+                              "eagle_config": cfg["eagle_config"]}
+
+
+def _generate_all(url, ids_list, max_new_tokens, concurrency=16):
+    import concurrent.futures as cf
+
+    import requests
+
+    def one(ids):
+        r = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": max_new_tokens, "temperature": 0}}, timeout=1800)
+        r.raise_for_status()
+        return r.json()["meta_info"]
+
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        metas = list(ex.map(one, ids_list))
+    wall = time.time() - t0
+    out_tokens = sum(m["completion_tokens"] for m in metas)
+    acc = [m["spec_accept_length"] for m in metas if m.get("spec_accept_length") is not None]
+    return {"requests": len(metas), "output_tokens": out_tokens, "seconds": round(wall, 2),
+            "output_tokens_per_s": out_tokens / wall,
+            "accept_length_mean": statistics.mean(acc) if acc else None,
+            "accept_length_median": statistics.median(acc) if acc else None}
+
+
+def phase_serve(a, w, res):
+    import requests
+    from transformers import AutoTokenizer
+
+    from sglang_hs.tools.serve import LocalServer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    _, held_out = prompts(a.train_prompts, a.eval_prompts)
+    held_out = held_out[:a.serve_prompts]
+    ids_list = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+                for p in held_out]
+    ids_list = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids_list]
+    res["serve"] = {"prompts": len(ids_list), "max_new_tokens": a.max_new_tokens, "runs": {}}
+    runs = [("target-only", None, [])] + [(f"{src}/{name}", src, flags) for name, flags in DRAFT_CONFIGS.items()
+                                           for src in SOURCES]
+    for label, src, flags in runs:
+        if a.serve_runs and label not in a.serve_runs:
+            continue
+        args = server_args(a, a.model)
+        if src:
+            args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                     os.path.join(w, f"draft-{src}"), *flags]
+        log = os.path.join(w, f"serve-{label.replace('/', '-')}.log")
+        with LocalServer(args, log, cpu=a.device == "cpu") as srv:
+            _generate_all(srv.url, ids_list[:4], 16)  # warm-up
+            m = _generate_all(srv.url, ids_list, a.max_new_tokens)
+            info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+            m["speculative"] = {k: info.get(k) for k in ("speculative_algorithm", "speculative_num_steps",
+                                                        "speculative_eagle_topk", "speculative_num_draft_tokens")}
+            m["startup_s"] = srv.startup_s
+        res["serve"]["runs"][label] = m
+        print(label, json.dumps(m), flush=True)
+
+
+PHASES = {"capture": phase_capture, "hf": phase_hf, "train": phase_train, "export": phase_export,
+          "serve": phase_serve}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", required=True, help="folder for every artifact (states, drafts, logs)")
+    p.add_argument("--model", required=True, help="the target checkpoint (HF layout)")
+    p.add_argument("--hf-model", help="the checkpoint HF transformers reads (default: --model)")
+    p.add_argument("--phases", nargs="+", choices=list(PHASES), default=list(PHASES))
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--quantization", default="fp8", help="the target's SGLang --quantization ('' for none)")
+    p.add_argument("--train-prompts", type=int, default=1600)
+    p.add_argument("--eval-prompts", type=int, default=200)
+    p.add_argument("--serve-prompts", type=int, default=128)
+    p.add_argument("--serve-runs", nargs="*", help="labels to serve (default: target-only and every "
+                   "SOURCE/DRAFT_CONFIG, e.g. runtime/topk1-steps3)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=3200, help="optimizer steps (batch 1)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--out", required=True, help="results JSON (updated after every phase)")
+    a = p.parse_args()
+    os.makedirs(a.work, exist_ok=True)
+    res = json.load(open(a.out)) if os.path.exists(a.out) else {}
+    res.setdefault("provenance", {})[" ".join(a.phases)] = provenance([sys.executable, *sys.argv])
+    res["settings"] = {k: v for k, v in vars(a).items() if k not in ("phases", "out")}
+    for ph in a.phases:
+        PHASES[ph](a, a.work, res)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"phase {ph} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
