@@ -9,8 +9,8 @@ Phases (each reads and writes one work folder, so GPU calls can run them apart):
            dumper: hidden_state = post-norm last, aux = HF hidden_states[k] at the export's ids).
   train    SpecForge 0.2.0 `specforge train`, once per state source, the same config, seed and
            data order; each evaluated on the runtime's held-out states (offline step-0 accuracy).
-  export   `specforge.export.to_sglang`, then the draft config SGLang reads (untied lm_head,
-           aux ids in SGLang's numbering).
+  export   `specforge.export.to_sglang` with the draft config `convert` wrote (untied lm_head,
+           aux ids in SGLang's numbering), checked in the folder SGLang will read.
   serve    the quantized target with each draft (EAGLE3, temperature 0) on the held-out prompts,
            per draft config, and the target alone: accept length, output tokens/s.
 
@@ -35,6 +35,7 @@ sys.path.insert(0, REPO)
 
 from harness.bench import provenance  # noqa: E402
 from harness.trainers import specforge_cmd, specforge_steps, to_sglang_cmd  # noqa: E402
+from sglang_hs.tools.convert import DRAFT_CONFIG  # noqa: E402
 
 TASKS = [
     "Explain {} to a ten-year-old.", "Write a short poem about {}.", "List three facts about {}.",
@@ -63,8 +64,8 @@ SUBJECTS = [
     "pottery", "the Great Wall", "wolves", "gravity", "letters and postcards", "tomatoes", "planets",
     "sunscreen",
 ]
-# SGLang 0.5.17's EAGLE-3 draft configs: steps / top-k / draft tokens; None = SGLang's own choice.
-DRAFT_CONFIGS = {"topk1-steps3": ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+# Speculative settings (steps / top-k / draft tokens); [] = SGLang 0.5.17 chooses.
+SPEC_SETTINGS = {"topk1-steps3": ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
                                   "--speculative-num-draft-tokens", "4"],
                  "sglang-default": []}
 SOURCES = ("runtime", "hf")  # whose states a drafter trains on
@@ -162,33 +163,9 @@ def phase_hf(a, w, res):
                  "runtime_vs_hf_p01_cosine": {k: float(torch.cat(v).quantile(0.01)) for k, v in cos.items()}}
 
 
-def draft_config(w, target_path, aux_ids):
-    """A one-layer LlamaForCausalLMEagle3 draft config of the target's geometry (what SpecForge
-    would generate), written once and shared by both runs and the export."""
-    path = os.path.join(w, "draft_config.json")
-    t = json.load(open(os.path.join(target_path, "config.json")))
-    keep = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "max_position_embeddings", "rms_norm_eps", "hidden_act", "head_dim", "rope_theta", "rope_parameters",
-            "rope_scaling", "bos_token_id", "eos_token_id", "attention_bias")
-    cfg = {k: t[k] for k in keep if t.get(k) is not None}
-    cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-            "tie_word_embeddings": False, "pad_token_id": t.get("pad_token_id") or 0, "use_cache": True,
-            "draft_vocab_size": min(32000, t["vocab_size"]), "torch_dtype": "bfloat16",
-            # SGLang counts an aux layer one lower than HF's output_hidden_states index.
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux_ids],
-                             "use_aux_hidden_state": True}}
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=1)
-    return path
-
-
 def phase_train(a, w, res):
-    from sglang_hs.format import read_export_json
-
-    aux_ids = read_export_json(os.path.join(w, "export"))["aux_layer_ids"]
-    cfg_path = draft_config(w, a.model, aux_ids)
-    res["train"] = {"draft_config": json.load(open(cfg_path))}
     sf = os.path.join(w, "sf")
+    res["train"] = {"draft_config": json.load(open(os.path.join(sf, DRAFT_CONFIG)))}  # written by convert
     for src in SOURCES:
         out = os.path.join(w, f"train-{src}")
         shutil.rmtree(out, ignore_errors=True)
@@ -198,7 +175,7 @@ def phase_train(a, w, res):
             f"data.eval_hidden_states_path={os.path.join(sf, 'runtime', 'eval')}",
             f"training.eval_interval={a.steps}", f"training.max_steps={a.steps}", f"training.num_epochs={a.epochs}",
             f"training.seed={a.seed}", f"training.learning_rate={a.lr}", "training.log_interval=10",
-            "training.fsdp_sharding=NO_SHARD", f"model.draft_model_config={cfg_path}",
+            "training.fsdp_sharding=NO_SHARD",
             f"output_dir={out}", f"data.cache_dir={os.path.join(w, 'sf-cache')}",
             f"model.cache_dir={os.path.join(w, 'sf-cache')}", "data.dataloader_num_workers=2")
         t0 = time.time()
@@ -223,18 +200,18 @@ def phase_export(a, w, res):
         dst = os.path.join(w, f"draft-{src}")
         shutil.rmtree(dst, ignore_errors=True)
         cmd = to_sglang_cmd("--checkpoint", os.path.join(w, f"train-{src}"),
-                            "--draft-config", os.path.join(w, "draft_config.json"), "--output-dir", dst)
+                            "--draft-config", os.path.join(w, "sf", DRAFT_CONFIG), "--output-dir", dst)
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
         if r.returncode:
             raise SystemExit(f"to_sglang ({src}) failed:\n{(r.stdout + r.stderr)[-3000:]}")
         cfg = json.load(open(os.path.join(dst, "config.json")))
-        want = json.load(open(os.path.join(w, "draft_config.json")))["eagle_config"]
-        cfg["tie_word_embeddings"] = False  # else SGLang drops the trained lm_head
-        cfg["eagle_config"] = {**cfg.get("eagle_config", {}), **want}
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-        res["export"][src] = {"dir": dst, "files": sorted(os.listdir(dst)),
-                              "eagle_config": cfg["eagle_config"]}
+        want = json.load(open(os.path.join(w, "sf", DRAFT_CONFIG)))["eagle_config"]
+        # The two silent failures: a tied head (SGLang drops the trained lm_head) and aux ids
+        # in another numbering (every layer shifted).
+        if cfg.get("tie_word_embeddings") is not False or cfg.get("eagle_config") != want:
+            raise SystemExit(f"{dst}/config.json: tie_word_embeddings {cfg.get('tie_word_embeddings')!r}, "
+                             f"eagle_config {cfg.get('eagle_config')!r}; expected False and {want}")
+        res["export"][src] = {"dir": dst, "files": sorted(os.listdir(dst)), "eagle_config": cfg["eagle_config"]}
 
 
 def _generate_all(url, ids_list, max_new_tokens, concurrency=16):
@@ -273,7 +250,7 @@ def phase_serve(a, w, res):
                 for p in held_out]
     ids_list = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids_list]
     res["serve"] = {"prompts": len(ids_list), "max_new_tokens": a.max_new_tokens, "runs": {}}
-    runs = [("target-only", None, [])] + [(f"{src}/{name}", src, flags) for name, flags in DRAFT_CONFIGS.items()
+    runs = [("target-only", None, [])] + [(f"{src}/{name}", src, flags) for name, flags in SPEC_SETTINGS.items()
                                            for src in SOURCES]
     for label, src, flags in runs:
         if a.serve_runs and label not in a.serve_runs:
@@ -310,7 +287,7 @@ def main():
     p.add_argument("--eval-prompts", type=int, default=200)
     p.add_argument("--serve-prompts", type=int, default=128)
     p.add_argument("--serve-runs", nargs="*", help="labels to serve (default: target-only and every "
-                   "SOURCE/DRAFT_CONFIG, e.g. runtime/topk1-steps3)")
+                   "SOURCE/SETTING, e.g. runtime/topk1-steps3)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=3200, help="optimizer steps (batch 1)")
     p.add_argument("--epochs", type=int, default=2)

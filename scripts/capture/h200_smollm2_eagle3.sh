@@ -25,21 +25,17 @@ sglang-hs capture --server http://127.0.0.1:30000 --data $PROMPTS --out $WORK/ex
 kill $SERVER; wait $SERVER 2>/dev/null || true
 trap - EXIT
 
-# 3. SpecForge's layout, and its trainer. The draft config names the aux layers in SGLang's
-#    numbering (the export's HF ids minus one; `convert` prints them in specforge.yaml).
+# 3. SpecForge's layout, and its trainer. `convert` also writes the draft config both ends read:
+#    one Llama layer of the target's geometry, its lm_head untied (a tied one is dropped by
+#    SGLang without a word) and the aux layers in SGLang's numbering (the HF ids minus one).
 rm -rf $WORK/sf  # derived: rewritten whole on every run
 sglang-hs convert $WORK/export --to specforge $WORK/sf
 specforge train --config $WORK/sf/specforge.yaml training.fsdp_sharding=NO_SHARD \
     training.num_epochs=2 output_dir=$WORK/train
 
-# 4. A draft folder SGLang loads. Its config must say tie_word_embeddings: false, or SGLang
-#    drops the trained lm_head without a word.
+# 4. A draft folder SGLang loads.
 python -m specforge.export.to_sglang --checkpoint $WORK/train \
-    --draft-config $WORK/train/draft_config.json --output-dir $WORK/draft
-python - <<EOF
-import json; p = "$WORK/draft/config.json"; c = json.load(open(p)); c["tie_word_embeddings"] = False
-json.dump(c, open(p, "w"), indent=1)
-EOF
+    --draft-config $WORK/sf/draft_config.json --output-dir $WORK/draft
 
 # 5. Serve the target with its drafter; each response's meta_info.spec_accept_length is the
 #    acceptance length.

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from harness.fixtures import write_test_export_json
 from sglang_hs.format import PROVENANCE_KEY, CaptureProvenance, chat_template_sha256
-from sglang_hs.format import Storage
+from sglang_hs.format import Storage, read_export_json
 from sglang_hs.overlay.rows import RequestState, plan_forward, split_rows, storage_planes
 from sglang_hs.overlay.staging import Piece, SlabPool
 from sglang_hs.overlay.writer import SampleWriter
@@ -345,3 +345,28 @@ def test_an_fp8_export_with_loss_rows_reaches_specforge_dequantized(fp8_loss_exp
         loss = b["loss_mask"][0].bool()
         assert cosine(b["target"][0][loss], planes[loss, 3]).min() >= 0.999
         assert bool((b["target"][0][~torch.tensor(mask).bool()] == 0).all())  # no final row kept there
+
+
+def test_the_draft_config_trains_in_specforge_and_names_aux_layers_the_way_sglang_reads_them(export, trainers,
+                                                                                             tmp_path):
+    """`convert --to specforge` writes the EAGLE-3 draft config both ends read: SpecForge's own
+    config loader and model factory build the draft from it (the specforge.yaml names it), and
+    SGLang's own Llama setter, given the draft's aux ids, captures exactly the export's HF ids."""
+    import types
+
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from specforge.config.schema import Config
+    from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+
+    d, _, _ = export
+    dest = str(tmp_path / "sf")
+    to_specforge(d, dest)
+    cfg = Config.from_file(os.path.join(dest, "specforge.yaml"))
+    draft_cfg = AutoDraftModelConfig.from_file(cfg.model.draft_model_config)
+    draft = AutoDraftModel.from_config(draft_cfg, torch_dtype=torch.bfloat16)
+    assert type(draft).__name__ == "LlamaForCausalLMEagle3" and draft_cfg.num_hidden_layers == 1
+    assert draft_cfg.hidden_size == 64 and draft_cfg.tie_word_embeddings is False
+    exported = read_export_json(d)["aux_layer_ids"]
+    target = types.SimpleNamespace(pp_group=types.SimpleNamespace(is_last_rank=True), model=types.SimpleNamespace())
+    LlamaForCausalLM.set_eagle3_layers_to_capture(target, draft_cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    assert target.model.layers_to_capture == exported

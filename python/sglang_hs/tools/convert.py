@@ -32,7 +32,7 @@ import glob
 import json
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from safetensors import safe_open
@@ -225,8 +225,12 @@ def to_specforge(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions(
     target, lm_head_key = specforge_target(model, dest)
     if target != model:
         rep.notes.append(f"target_model/ links {model} and adds the checkpoint index SpecForge's target head reads")
+    with open(os.path.join(dest, DRAFT_CONFIG), "w") as f:
+        json.dump(eagle3_draft_config(model, ds.info.get("aux_layer_ids") or []), f, indent=1)
     _write_specforge_yaml(dest, ds.info, target, lm_head_key, longest)
     rep.notes.append(f"train: specforge train --config {os.path.join(dest, 'specforge.yaml')} [training.KEY=VALUE ...]")
+    rep.notes.append(f"serve: python -m specforge.export.to_sglang --checkpoint RUN_DIR --draft-config "
+                     f"{os.path.join(dest, DRAFT_CONFIG)} --output-dir DRAFT")
     _write_index(dest, ds, "specforge", rule)
     return rep
 
@@ -259,6 +263,29 @@ def specforge_target(model_path: str, dest: str):
     return target, lm_head_key
 
 
+DRAFT_CONFIG = "draft_config.json"
+# Target config keys a one-layer Llama EAGLE-3 draft copies (its attention and MLP geometry).
+_DRAFT_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "max_position_embeddings", "rms_norm_eps", "hidden_act", "head_dim", "rope_theta", "rope_parameters",
+               "rope_scaling", "bos_token_id", "eos_token_id", "attention_bias")
+
+
+def eagle3_draft_config(model_path: str, aux_layer_ids: Sequence[int], draft_vocab_size: int = 32000) -> dict:
+    """A one-layer `LlamaForCausalLMEagle3` config of the target's geometry, written for both
+    ends: SpecForge trains from it and its `to_sglang` saves it for SGLang. It names the aux
+    layers in SGLang's numbering (the export's HF ids minus one; the wrong numbering shifts every
+    layer without an error) and unties the lm_head (a tied draft loses its trained head in
+    SGLang without an error)."""
+    t = json.load(open(os.path.join(model_path, "config.json")))
+    t = t.get("text_config") or t  # wrappers (Kimi-K2.5) nest the text model's config
+    cfg = {k: t[k] for k in _DRAFT_KEYS if t.get(k) is not None}
+    return {**cfg, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "tie_word_embeddings": False, "pad_token_id": t.get("pad_token_id") or 0, "use_cache": True,
+            "draft_vocab_size": min(draft_vocab_size, t["vocab_size"]), "torch_dtype": "bfloat16",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux_layer_ids],
+                             "use_aux_hidden_state": True}}
+
+
 def _write_specforge_yaml(dest: str, info: dict, target: str, lm_head_key: str, longest: int) -> None:
     ids = info.get("aux_layer_ids") or []
     lines = [
@@ -270,6 +297,7 @@ def _write_specforge_yaml(dest: str, info: dict, target: str, lm_head_key: str, 
         "model:",
         f"  target_model_path: {json.dumps(os.path.abspath(target))}",
         f"  lm_head_key: {lm_head_key}",
+        f"  draft_model_config: {json.dumps(os.path.abspath(os.path.join(dest, DRAFT_CONFIG)))}",
         "data:",
         f"  hidden_states_path: {json.dumps(os.path.abspath(dest))}",
         f"  max_length: {max(longest, 1)}",
