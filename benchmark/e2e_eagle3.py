@@ -189,7 +189,9 @@ def phase_train(a, w, res):
         res["train"][src] = {
             "returncode": r.returncode, "seconds": round(time.time() - t0, 1), "command": cmd[3:],
             "shims": shims[0] if shims else None, "steps_logged": len(train), "loss": [s["loss"] for s in train], "acc_0": [s.get("acc_0") for s in train],
-            "eval": evals[-1] if evals else None, "log_tail": (r.stdout + r.stderr)[-2500:] if r.returncode else ""}
+            "eval": evals[-1] if evals else None,
+            # offline step-0 accuracy on the serving runtime's held-out states
+            "eval_step0_accuracy": evals[-1]["eval/per_position_acc"][0] if evals else None, "log_tail": (r.stdout + r.stderr)[-2500:] if r.returncode else ""}
         if r.returncode:
             raise SystemExit(f"specforge train ({src}) failed: see {w}/train-{src}.log")
 
@@ -268,7 +270,13 @@ def phase_serve(a, w, res):
                                                         "speculative_eagle_topk", "speculative_num_draft_tokens")}
             m["startup_s"] = srv.startup_s
         res["serve"]["runs"][label] = m
+        save(a, res)  # a call cut short keeps the runs it finished
         print(label, json.dumps(m), flush=True)
+
+
+def save(a, res):
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 PHASES = {"capture": phase_capture, "hf": phase_hf, "train": phase_train, "export": phase_export,
@@ -301,8 +309,7 @@ def main():
     res["settings"] = {k: v for k, v in vars(a).items() if k not in ("phases", "out")}
     for ph in a.phases:
         PHASES[ph](a, a.work, res)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        save(a, res)
         print(f"phase {ph} done", flush=True)
 
 
