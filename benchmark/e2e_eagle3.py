@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from harness.bench import provenance  # noqa: E402
-from harness.trainers import specforge_cmd, specforge_steps, to_sglang_cmd  # noqa: E402
+from harness.trainers import shims_applied, specforge_cmd, specforge_steps, to_sglang_cmd  # noqa: E402
 from sglang_hs.tools.convert import DRAFT_CONFIG  # noqa: E402
 
 TASKS = [
@@ -183,12 +183,11 @@ def phase_train(a, w, res):
         with open(os.path.join(w, f"train-{src}.log"), "w") as f:
             f.write(r.stdout + r.stderr)
         steps = specforge_steps(r.stdout)
-        shims = [ln.split(":", 1)[1].strip() for ln in r.stdout.splitlines() if ln.startswith("harness.trainers shims")]
         train = [s for s in steps if "loss" in s]
         evals = [s for s in steps if any(k.startswith("eval") for k in s)]
         res["train"][src] = {
             "returncode": r.returncode, "seconds": round(time.time() - t0, 1), "command": cmd[3:],
-            "shims": shims[0] if shims else None, "steps_logged": len(train), "loss": [s["loss"] for s in train], "acc_0": [s.get("acc_0") for s in train],
+            "shims": shims_applied(r.stdout), "steps_logged": len(train), "loss": [s["loss"] for s in train], "acc_0": [s.get("acc_0") for s in train],
             "eval": evals[-1] if evals else None,
             # offline step-0 accuracy on the serving runtime's held-out states
             "eval_step0_accuracy": evals[-1]["eval/per_position_acc"][0] if evals else None, "log_tail": (r.stdout + r.stderr)[-2500:] if r.returncode else ""}

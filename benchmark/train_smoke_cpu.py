@@ -35,7 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = os.path.join(REPO, ".cache", "trainers")
 sys.path.insert(0, REPO)
 
-from harness.trainers import SPECFORGE_SHIMS_CPU, specforge_cmd, specforge_steps  # noqa: E402
+from harness.trainers import shims_applied, specforge_cmd, specforge_steps  # noqa: E402
 
 
 def run_speculators(argv, metrics_path):
@@ -115,7 +115,7 @@ def train_specforge(work: str, steps: int) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     steps_seen = specforge_steps(r.stdout)
     return {"returncode": r.returncode, "seconds": round(time.time() - t0, 1), "command": cmd[3:],
-            "shims": SPECFORGE_SHIMS_CPU,
+            "shims": shims_applied(r.stdout),
             "loss": [s.get("loss") for s in steps_seen], "step0_accuracy": [s.get("acc_0") for s in steps_seen],
             "log_tail": (r.stdout + r.stderr)[-3000:] if r.returncode else ""}
 

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = os.environ.get("SGLANG_HS_TRAINERS", os.path.join(REPO, ".cache", "trainers"))
 # SpecForge prints one line per logged step: "step N: {'loss': ..., 'acc_0': ..., ...}".
 STEP_LINE = re.compile(r"^step \d+: (\{.*\})$", re.M)
-SPECFORGE_SHIMS_CPU = ["F1 LogSoftmaxLoss (Triton) -> the same loss in torch"]
+SHIMS_LINE = "harness.trainers shims applied: "
 
 
 def specforge_cmd(*argv: str) -> List[str]:
@@ -36,6 +36,12 @@ def to_sglang_cmd(*argv: str) -> List[str]:
 
 def specforge_steps(stdout: str) -> List[dict]:
     return [ast.literal_eval(m.group(1)) for m in STEP_LINE.finditer(stdout)]
+
+
+def shims_applied(stdout: str) -> List[str]:
+    """The shims a child said it applied (F1, F2; see the module docstring)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(SHIMS_LINE)]
+    return ast.literal_eval(lines[0][len(SHIMS_LINE):]) if lines else []
 
 
 def _shims() -> List[str]:
@@ -65,7 +71,7 @@ def _shims() -> List[str]:
 
         eagle3.LogSoftmaxLoss = EagerLogSoftmaxLoss
         applied.append("F1")
-    print(f"harness.trainers shims applied: {applied}", flush=True)
+    print(f"{SHIMS_LINE}{applied}", flush=True)
     return applied
 
 
