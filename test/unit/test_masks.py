@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from sglang_hs.tools.masks import chat_ids_and_mask, truncate
+from sglang_hs.tools.masks import chat_ids_and_mask, prompt_ids, truncate
 
 NL = "\\n"
 # Our own renditions of each family's chat markup (the real templates have more options).
@@ -201,3 +201,15 @@ def test_last_turn_plus_separator_is_speculators_0_9_0s_own_mask(smollm2_path, t
     assert rows[-1]["input_ids"] == ids
     ours = apply_mask_rule(ids, mask, "last-turn+separator", separator_ids(tok))
     assert ours == rows[-1]["loss_mask"] and ours != mask
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3, QWEN25, DEEPSEEK_V3], ids=["smollm2", "llama3", "qwen25", "deepseek_v3"])
+def test_prompt_ids_are_the_tokens_of_the_rendered_prompt(base_tok, template):
+    """What a server is sent to write the next assistant turn: the rendered template with its
+    generation prompt, as token ids (e2e_eagle3 once sent a BatchEncoding's keys instead)."""
+    tok = with_template(base_tok, template) if template else base_tok
+    msgs = CONV[:4]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ids = prompt_ids(tok, msgs)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert all(isinstance(i, int) for i in ids)

@@ -184,15 +184,14 @@ async def _post(session, url, path, body, cfg: "CaptureConfig") -> tuple:
 
 async def _regenerate(session, url, cfg: CaptureConfig, tok, s: Sample) -> Sample:
     """Let the target model write every assistant turn, then export the whole conversation."""
-    from sglang_hs.tools.masks import chat_ids_and_mask
+    from sglang_hs.tools.masks import chat_ids_and_mask, prompt_ids
 
     msgs, out = s.messages, []
     for m in msgs:
         if m["role"] != "assistant":
             out.append(m)
             continue
-        prompt = list(tok.apply_chat_template(out, tokenize=True, add_generation_prompt=True,
-                                              return_dict=True)["input_ids"])
+        prompt = prompt_ids(tok, out)
         status, data = await _post(session, url, "/generate", {
             "input_ids": prompt,
             "sampling_params": {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,

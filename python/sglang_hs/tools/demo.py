@@ -11,6 +11,7 @@ from typing import List
 
 from sglang_hs.tools import models
 from sglang_hs.format import human_bytes, load_sample, read_manifest, validate_export
+from sglang_hs.tools.masks import prompt_ids
 from sglang_hs.tools.serve import LocalServer
 from sglang_hs.tools.verify import verify_export
 
@@ -26,8 +27,7 @@ def run_demo(work_dir: str = ".cache", concurrency: int = 8) -> bool:
     model = models.smollm2(os.path.join(work_dir, "models", "smollm2-135m-instruct"))
     tok = AutoTokenizer.from_pretrained(model)
     convs = demo_conversations()
-    ids = [list(tok.apply_chat_template(c["messages"], tokenize=True, add_generation_prompt=True,
-                                        return_dict=True)["input_ids"]) for c in convs]
+    ids = [prompt_ids(tok, c["messages"]) for c in convs]
     out = os.path.join(work_dir, "demo-export", time.strftime("%Y%m%d-%H%M%S"))
     log = os.path.join(work_dir, "demo-server.log")
     print(f"[demo] model {model}\n[demo] exporting {len(ids)} conversations to {out} (server log: {log})")

@@ -23,6 +23,14 @@ class TemplateError(ValueError):
     pass
 
 
+def prompt_ids(tok, messages) -> List[int]:
+    """The token ids a server is sent to write the next assistant turn: `messages` in the chat
+    template, then its generation prompt. transformers 5 returns a BatchEncoding, a Mapping
+    but not a dict (list() of it gives its keys), so the ids are read from it by name."""
+    return list(tok.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"])
+
+
 def _text(tok, messages, add_generation_prompt: bool, **kw) -> str:
     return tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
 
