@@ -86,13 +86,31 @@ def test_int4_moe_mla_export_matches_hf_of_the_dequantized_weights_graphs_on_and
         results[f"graphs_{graphs}"] = v.to_dict()
         save(results)
         assert v.ok, v.table()
+    # Layer 0 is dense, so the rows up to it (aux[1]) repeat bit for bit. From the first MoE
+    # layer on they need not: on SM >= 9 SGLang's Marlin MoE GEMM reduces with atomic adds
+    # (fused_marlin_moe's use_atomic_add), so the same prompt gives rows that differ in the last
+    # bits from one forward to the next (seen on the H200: same prompt twice, graphs on), and a
+    # random bf16 MoE turns those bits into other routing choices. Such differences must stay
+    # below the error HF's own bf16 forward has on that plane; misattributed rows would not.
     on, off = rows["on"], rows["off"]
-    assert torch.equal(on["int4-twice-a"]["aux_hidden_states"], on["int4-twice-b"]["aux_hidden_states"])
-    worst = max(float((on[r]["aux_hidden_states"].float() - off[r]["aux_hidden_states"].float()).norm()
-                      / off[r]["aux_hidden_states"].float().norm()) for r in ids)
-    results["graphs_on_vs_off_max_rel_diff"] = worst
+    bf16_err = {p["name"]: p["rel_err_hf_bf16"] for p in results["graphs_off"]["planes"]}
+    names = [f"aux[{k}]" for k in json.load(open(os.path.join(out, "export.json")))["aux_layer_ids"]] + ["final"]
+    a, b = on["int4-twice-a"], on["int4-twice-b"]
+    assert torch.equal(a["aux_hidden_states"][:, 0], b["aux_hidden_states"][:, 0])
+    diffs = {"same_prompt_twice": {n: plane_diff(a, b, j) for j, n in enumerate(names)},
+             "graphs_on_vs_off": {n: max(plane_diff(on[r], off[r], j) for r in ids) for j, n in enumerate(names)}}
+    results["rel_diff_vs_hf_bf16_err"] = {"hf_bf16_err": bf16_err, **diffs}
     save(results)
-    assert worst < 2e-2, worst
+    for what, d in diffs.items():
+        for n, x in d.items():
+            assert x <= bf16_err[n], f"{what}: {n} differs by {x:.3e}, more than HF bf16's own error {bf16_err[n]:.3e}"
+
+
+def plane_diff(x: dict, y: dict, j: int) -> float:
+    """Relative difference of plane j (aux planes, then final) between two samples' rows."""
+    def plane(t):
+        return (t["aux_hidden_states"][:, j] if j < t["aux_hidden_states"].shape[1] else t["final_hidden_states"]).float()
+    return float((plane(x) - plane(y)).norm() / plane(y).norm())
 
 
 def save(results):
