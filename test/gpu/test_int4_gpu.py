@@ -87,11 +87,10 @@ def test_int4_moe_mla_export_matches_hf_of_the_dequantized_weights_graphs_on_and
         save(results)
         assert v.ok, v.table()
     # Layer 0 is dense, so the rows up to it (aux[1]) repeat bit for bit. From the first MoE
-    # layer on they need not: on SM >= 9 SGLang's Marlin MoE GEMM reduces with atomic adds
-    # (fused_marlin_moe's use_atomic_add), so the same prompt gives rows that differ in the last
-    # bits from one forward to the next (seen on the H200: same prompt twice, graphs on), and a
-    # random bf16 MoE turns those bits into other routing choices. Such differences must stay
-    # below the error HF's own bf16 forward has on that plane; misattributed rows would not.
+    # layer on they did not on the H200 (same prompt twice, graphs on); likely because SGLang's
+    # Marlin MoE GEMM reduces with atomic adds on SM >= 9 (fused_marlin_moe's use_atomic_add),
+    # and a random bf16 MoE turns last bits into other routing choices. Such differences must
+    # stay below the error HF's own bf16 forward has on that plane; misattributed rows would not.
     on, off = rows["on"], rows["off"]
     bf16_err = {p["name"]: p["rel_err_hf_bf16"] for p in results["graphs_off"]["planes"]}
     names = [f"aux[{k}]" for k in json.load(open(os.path.join(out, "export.json")))["aux_layer_ids"]] + ["final"]
