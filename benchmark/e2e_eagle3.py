@@ -12,8 +12,8 @@ Phases (each reads and writes one work folder, so GPU calls can run them apart):
   export   `specforge.export.to_sglang` with the draft config `convert` wrote (untied lm_head,
            aux ids in SGLang's numbering), checked in the folder SGLang will read.
   serve    the quantized target with each draft (EAGLE3, temperature 0) on the held-out prompts,
-           per draft config, and the target alone, all started at once and measured one at a
-           time in rotating rounds: accept length, output tokens/s at 16 clients and at 1.
+           per draft config, and the target alone, all kept up and measured one at a time in
+           rotating rounds: accept length, output tokens/s at 16 clients and at 1.
 
     python benchmark/e2e_eagle3.py --work /tmp/e2e --model M --phases capture hf train export serve
 """
@@ -86,7 +86,8 @@ def server_args(a, model, mem_fraction=None):
     gpu = a.device == "cuda"
     # Graphs for the batch sizes these runs reach (16 clients decode, prefill chunks); fewer
     # captured sizes start a server in well under a minute.
-    extra = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", mem_fraction or "0.5",
+    extra = ["--attention-backend", "triton", "--sampling-backend", "pytorch",
+             "--mem-fraction-static", mem_fraction or "0.5",
              "--cuda-graph-max-bs-decode", "64", "--cuda-graph-max-bs-prefill", "1024"] if gpu else []
     quant = ["--quantization", a.quantization] if a.quantization else []
     return ["--model-path", model, "--skip-server-warmup", *extra, *quant]
@@ -268,9 +269,9 @@ def _spread(xs):
 
 
 def phase_serve(a, w, res):
-    """Every server (the target alone, each drafter per speculative setting) is started, each
-    with its share of the GPU's memory; then they are measured one at a time, in an order that
-    rotates each round, so each ratio to the target alone comes from the same run."""
+    """Every server (the target alone, each drafter per speculative setting) is started and kept
+    up; then they are measured one at a time, in an order that rotates each round, so each ratio
+    to the target alone comes from the same rounds."""
     import contextlib
 
     import requests
@@ -302,18 +303,15 @@ def phase_serve(a, w, res):
                     "concurrency": [16, 1], "single_stream_prompts": a.single_stream_prompts,
                     "memory_fraction_each": share, "shims": shims, "runs": {}}
     with contextlib.ExitStack() as stack:
-        def start(label):
+        # One after another: SGLang sizes its memory pool from what is free while it loads, so
+        # servers starting at once misjudge each other's allocations (seen on the H200).
+        for label in list(servers):
             try:
                 stack.enter_context(servers[label])
             except Exception as e:  # one server that does not start costs its runs, not the others'
                 res["serve"]["runs"][label] = {"error": str(e)[-3000:]}
                 print(f"{label}: did not start: {str(e)[-1500:]}", flush=True)
-                return None
-            return label
-
-        # One after another: SGLang sizes its memory pool from what is free while it loads, so
-        # servers starting at once misjudge each other's allocations.
-        servers = {label: servers[label] for label in map(start, list(servers)) if label}
+                del servers[label]
         per = {label: {"c16": [], "c1": []} for label in servers}
         for label, srv in servers.items():
             res["serve"]["runs"][label] = run = {"startup_s": srv.startup_s}
