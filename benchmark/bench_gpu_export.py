@@ -156,6 +156,12 @@ def summarize(rows):
         ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(v, rows["off"])]
         out[f"ratio_{name}"] = {"per_round": ratios, "median": statistics.median(ratios),
                                 "min": min(ratios), "max": max(ratios)}
+        # The same without each round's start and drain (harness.bench.steady_rate)
+        steady = [a["steady_tokens_per_s"] / b["steady_tokens_per_s"] for a, b in zip(v, rows["off"])
+                  if a.get("steady_tokens_per_s") and b.get("steady_tokens_per_s")]
+        if steady:
+            out[f"steady_ratio_{name}"] = {"per_round": steady, "median": statistics.median(steady),
+                                           "min": min(steady), "max": max(steady)}
     out["ratio_median"] = out["ratio_on"]["median"]
     out["latency_ms_p50_median"] = {k: statistics.median(x["latency_ms_p50"] for x in v) for k, v in rows.items()}
     out["latency_ms_p99_median"] = {k: statistics.median(x["latency_ms_p99"] for x in v) for k, v in rows.items()}

@@ -10,7 +10,7 @@ import random
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import requests
 
@@ -40,7 +40,8 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
         t = time.perf_counter()
         r = session.post(url + "/generate", json=body, timeout=3600)
         r.raise_for_status()
-        return len(r.content), time.perf_counter() - t
+        end = time.perf_counter()
+        return len(r.content), end - t, end
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as ex:
@@ -49,8 +50,23 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
     tokens = sum(len(p) for p in prompts)
     lat = sorted(x[1] for x in done)
     return {"prompts": len(prompts), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+            "steady_tokens_per_s": steady_rate([(x[2], len(p)) for x, p in zip(done, prompts)]),
             "response_bytes": sum(x[0] for x in done), "latency_ms_p50": round(1000 * lat[len(lat) // 2], 1),
             "latency_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1)}
+
+
+def steady_rate(answers: Sequence[Tuple[float, int]], lo: float = 0.1, hi: float = 0.9) -> Optional[float]:
+    """Tokens per second answered between the moments a fraction `lo` and a fraction `hi` of the
+    requests had their answers: the server's rate once full and before the round drains. A
+    round's own rate (tokens / wall) also holds its start and the wait for its last answers
+    (with export on, the last batch's copy and write), which a long capture pays once, not once
+    per few-second round. answers: (time answered, prompt tokens) per request; None when the
+    window holds no time (too few requests)."""
+    ends = sorted(answers)
+    i, j = int(lo * len(ends)), int(hi * len(ends)) - 1
+    if j <= i or ends[j][0] <= ends[i][0]:
+        return None
+    return sum(n for _, n in ends[i + 1:j + 1]) / (ends[j][0] - ends[i][0])
 
 
 def provenance(command: Sequence[str]) -> dict:
