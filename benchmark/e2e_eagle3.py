@@ -287,6 +287,8 @@ def phase_serve(a, w, res):
     runs = [("target-only", None, [])] + [(f"{src}/{name}", src, flags) for name, flags in SPEC_SETTINGS.items()
                                            for src in SOURCES]
     runs = [r for r in runs if not a.serve_runs or r[0] in a.serve_runs]
+    # --mem-fraction-static is a fraction of the memory free when a server starts, so servers
+    # started one after another fit with this share each, however many there are.
     share = f"{0.8 / len(runs):.3f}" if a.device == "cuda" else None
     shims, env = serve_shims(a.device)
     servers = {}
