@@ -35,7 +35,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from harness.bench import provenance  # noqa: E402
+from harness.bench import provenance, summarize_rounds  # noqa: E402
 from harness.trainers import shims_applied, specforge_cmd, specforge_steps, to_sglang_cmd  # noqa: E402
 from sglang_hs.tools.convert import DRAFT_CONFIG  # noqa: E402
 
@@ -264,10 +264,6 @@ def _generate_all(url, ids_list, max_new_tokens, concurrency):
             "accept_length_median": statistics.median(acc) if acc else None}
 
 
-def _spread(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": xs}
-
-
 def phase_serve(a, w, res):
     """Every server (the target alone, each drafter per speculative setting) is started and kept
     up; then they are measured one at a time, in an order that rotates each round, so each ratio
@@ -339,20 +335,10 @@ def phase_serve(a, w, res):
                     continue
                 per[label]["c16"].append(c16)
                 per[label]["c1"].append(c1)
-                print(label, r, json.dumps(c16), flush=True)
-            for label, m in per.items():
-                run = res["serve"]["runs"][label]
-                for c in ("c16", "c1"):
-                    if not m[c]:
-                        continue
-                    run[c] = {"accept_length_mean": m[c][0]["accept_length_mean"],
-                              "accept_length_median": m[c][0]["accept_length_median"],
-                              "output_tokens": m[c][0]["output_tokens"],
-                              "output_tokens_per_s": _spread([x["output_tokens_per_s"] for x in m[c]])}
-                    base = per["target-only"][c] if "target-only" in per else []
-                    if len(base) == len(m[c]) and label != "target-only":
-                        run[c]["speedup_vs_target_only"] = _spread(
-                            [x["output_tokens_per_s"] / b["output_tokens_per_s"] for x, b in zip(m[c], base)])
+                print(label, r, json.dumps({"c16": c16, "c1": c1}), flush=True)
+            for c in ("c16", "c1"):
+                for label, summary in summarize_rounds({k: m[c] for k, m in per.items()}, "target-only").items():
+                    res["serve"]["runs"][label][c] = summary
             save(a, res)  # a call cut short keeps the rounds it finished
 
 

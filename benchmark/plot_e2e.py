@@ -18,13 +18,13 @@ dst = sys.argv[2] if len(sys.argv) > 2 else src.replace(".json", ".png")
 d = json.load(open(src))
 SOURCES = {"runtime": "runtime states (SGLang, fp8)", "hf": "HF transformers states (bf16)"}
 COLORS = {"runtime": "#1565c0", "hf": "#ef6c00", "target-only": "#9e9e9e"}
-fig, ax = plt.subplots(1, 4, figsize=(19, 4.5))
+fig, ax = plt.subplots(1, 4, figsize=(21, 4.8))
 for src_name, label in SOURCES.items():
     t = d["train"][src_name]
     ax[0].plot([10 * (i + 1) for i in range(len(t["loss"]))], t["loss"], color=COLORS[src_name], label=label, lw=0.8)
 ax[0].set_title(f"SpecForge 0.2.0 train loss ({d['settings']['steps']} steps, batch 1, seed {d['settings']['seed']})")
 ax[0].set_xlabel("optimizer step")
-ax[0].legend(fontsize=8)
+ax[0].legend(fontsize=8, title="(the two curves lie on top of each other)", title_fontsize=7)
 
 acc = [d["train"][s]["eval_step0_accuracy"] for s in SOURCES]
 ax[1].bar(list(SOURCES), acc, color=[COLORS[s] for s in SOURCES])
@@ -34,27 +34,25 @@ ax[1].set_title("step-0 accuracy, runtime's held-out states")
 ax[1].set_xlabel("drafter trained on")
 
 runs = d["serve"]["runs"]
+# Acceptance at 16 clients: every held-out prompt, every round (bars: min and max over rounds).
 spec = [k for k in runs if k != "target-only" and "c16" in runs[k]]
-for j, c in enumerate(("c16", "c1")):
-    xs = [k for k in spec if c in runs[k]]
-    ax[2].bar([i + 0.4 * j for i in range(len(xs))], [runs[k][c]["accept_length_mean"] for k in xs], width=0.4,
-              color=[COLORS[k.split("/")[0]] for k in xs], alpha=1.0 if c == "c16" else 0.55,
-              label=f"{c[1:]} client(s)")
-    for i, k in enumerate(xs):
-        ax[2].text(i + 0.4 * j, runs[k][c]["accept_length_mean"], f"{runs[k][c]['accept_length_mean']:.3f}",
-                   ha="center", va="bottom", fontsize=8)
-ax[2].set_xticks([i + 0.2 for i in range(len(spec))], spec, fontsize=8)
-ax[2].set_title("served acceptance length (mean per request)")
-ax[2].legend(fontsize=8)
+acc = [runs[k]["c16"]["accept_length_mean"] for k in spec]
+ax[2].bar(range(len(spec)), [a["median"] for a in acc], color=[COLORS[k.split("/")[0]] for k in spec],
+          yerr=[[a["median"] - a["min"] for a in acc], [a["max"] - a["median"] for a in acc]], capsize=4)
+for i, a in enumerate(acc):
+    ax[2].text(i, a["max"], f"{a['median']:.3f}", ha="center", va="bottom", fontsize=8)
+ax[2].set_xticks(range(len(spec)), spec, fontsize=7, rotation=15)
+ax[2].set_title(f"served acceptance length, 16 clients ({d['serve']['prompts']} prompts)")
 
 labels = [k for k in runs if "c16" in runs[k]]
 for j, c in enumerate(("c16", "c1")):
-    ax[3].bar([i + 0.4 * j for i in range(len(labels))], [runs[k][c]["output_tokens_per_s"]["median"] for k in labels],
-              width=0.4, color=[COLORS[k.split("/")[0]] for k in labels], alpha=1.0 if c == "c16" else 0.55,
+    tps = [runs[k][c]["output_tokens_per_s"] for k in labels]
+    ax[3].bar([i + 0.4 * j for i in range(len(labels))], [t["median"] for t in tps], width=0.4,
+              yerr=[[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]], capsize=3, color=[COLORS[k.split("/")[0]] for k in labels], alpha=1.0 if c == "c16" else 0.55,
               label=f"{c[1:]} client(s)")
-ax[3].set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=8)
+ax[3].set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=7, rotation=15)
 ax[3].set_yscale("log")
-ax[3].set_title(f"output tokens/s ({d['serve']['rounds']} round(s), {d['serve']['prompts']} prompts)")
+ax[3].set_title(f"output tokens/s, median of {d['serve']['rounds']} rounds (bars: min, max)")
 ax[3].legend(fontsize=8)
 fig.suptitle("SmolLM2-135M-Instruct served with --quantization fp8 on one H200: EAGLE-3 drafters trained on "
              "the serving runtime's states vs Hugging Face's", fontsize=10)

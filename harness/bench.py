@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -67,6 +68,27 @@ def steady_rate(answers: Sequence[Tuple[float, int]], lo: float = 0.1, hi: float
     if j <= i or ends[j][0] <= ends[i][0]:
         return None
     return sum(n for _, n in ends[i + 1:j + 1]) / (ends[j][0] - ends[i][0])
+
+
+def spread(xs: Sequence[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "rounds": list(xs)}
+
+
+def summarize_rounds(per: Dict[str, List[dict]], base: str) -> Dict[str, dict]:
+    """Per server label, every measured key as median/min/max over its rounds, and its per-round
+    ratio of output tokens/s to `base`'s in the same round (rounds pair by index, so only a
+    server with as many rounds as `base` gets one). A key a server never reports (acceptance for
+    the target alone) is left out."""
+    out = {}
+    for label, rounds in per.items():
+        if not rounds:
+            continue
+        out[label] = s = {k: spread([r[k] for r in rounds]) for k in rounds[0] if rounds[0][k] is not None}
+        ref = per.get(base, [])
+        if label != base and len(ref) == len(rounds):
+            s[f"speedup_vs_{base}"] = spread([r["output_tokens_per_s"] / b["output_tokens_per_s"]
+                                             for r, b in zip(rounds, ref)])
+    return out
 
 
 def provenance(command: Sequence[str]) -> dict:
