@@ -9,6 +9,7 @@ run at the same time on the same GPU and are measured in alternating rounds.
     python benchmark/bench_gpu_export.py --phase radix-off --out results.json   # adds to the file
     python benchmark/bench_gpu_export.py --phase baselines --out results.json
     python benchmark/bench_gpu_export.py --phase fp8 --out fp8.json    # export bf16 vs fp8_e4m3
+    python benchmark/bench_gpu_export.py --phase memory --out results.json   # one server at a time
 """
 
 import argparse
@@ -146,6 +147,32 @@ def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, sav
     return res
 
 
+def phase_memory(model_dir, work):
+    """The export's GPU memory: each server alone on the GPU (side by side, the one started
+    second sizes itself from what the first left), the same KV pool (FLAGS fix
+    --max-total-tokens), the same load (one round of every shape); nvidia-smi of the server's
+    processes when idle after a warm-up and after the load, so the difference is what export
+    mode adds: its captured aux planes and the gathered rows of a forward."""
+    res = {}
+    warm = random_prompts(64, 1024, seed=7, vocab=128000)
+    for arm in ("off", "on"):
+        export_dir = tempfile.mkdtemp(prefix="hs-mem-", dir="/dev/shm")
+        extra = ["--export-hidden-states-dir", export_dir] if arm == "on" else []
+        with LocalServer(["--model-path", model_dir, *FLAGS, *extra], f"{work}/mem-{arm}.log", cpu=False) as srv:
+            measure_prefill(srv.url, warm, 64, rid_prefix="mem-warm" if arm == "on" else None)
+            run = res[arm] = {"startup_s": srv.startup_s, "gpu_mem_mib_idle": gpu_mem_by_server({arm: srv})[arm]}
+            seen = set()
+            for length, n, clients in SHAPES:
+                key = f"mem-{length}x{clients}"
+                ps = random_prompts(n, length, seed=1000 * length + 7 * clients, vocab=128000)
+                run[key] = measure_prefill(srv.url, ps, clients, rid_prefix=key if arm == "on" else None)
+                consume(export_dir, "mem-", seen)  # /dev/shm holds one shape's rows at a time
+            run["gpu_mem_mib_after_load"] = gpu_mem_by_server({arm: srv})[arm]
+        subprocess.run(["rm", "-rf", export_dir])
+    res["delta_mib"] = {k: res["on"][k] - res["off"][k] for k in ("gpu_mem_mib_idle", "gpu_mem_mib_after_load")}
+    return res
+
+
 def summarize(rows):
     """Per arm: median tokens/s; per arm vs "off": the per-round ratios, their median and range."""
     out = {"rounds": rows, "tokens_per_s_median": {k: statistics.median(x["tokens_per_s"] for x in v)
@@ -216,7 +243,7 @@ def hf_forward_writes_planes(model_dir, batch=8, length=1024, batches=6):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--phase", choices=["radix-on", "radix-off", "baselines", "fp8"], required=True)
+    p.add_argument("--phase", choices=["radix-on", "radix-off", "baselines", "fp8", "memory"], required=True)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp", help="folder for the servers' logs")
@@ -230,6 +257,8 @@ def main():
     data["shapes"] = SHAPES
     if a.phase == "baselines":
         data["baselines"] = phase_baselines(model_dir, a.work)
+    elif a.phase == "memory":
+        data["memory"] = phase_memory(model_dir, a.work)
     else:
         def save(res):
             json.dump({**data, a.phase: res}, open(a.out, "w"), indent=2)
