@@ -33,7 +33,7 @@ demo: $(STAMP)
 	$(BIN)/sglang-hs demo
 
 test: $(STAMP) $(TRAINERS_STAMP)
-	$(BIN)/python -m pytest -v -rs
+	$(BIN)/python -m pytest -v -rs --durations=25
 
 test-unit: $(STAMP) $(TRAINERS_STAMP)
 	$(BIN)/python -m pytest -v -m "not server and not gpu and not multigpu"

@@ -161,12 +161,14 @@ def phase_memory(model_dir, work):
         with LocalServer(["--model-path", model_dir, *FLAGS, *extra], f"{work}/mem-{arm}.log", cpu=False) as srv:
             measure_prefill(srv.url, warm, 64, rid_prefix="mem-warm" if arm == "on" else None)
             run = res[arm] = {"startup_s": srv.startup_s, "gpu_mem_mib_idle": gpu_mem_by_server({arm: srv})[arm]}
-            seen = set()
+            seen, run["exported_samples"], run["sample_errors"] = set(), 0, []
             for length, n, clients in SHAPES:
                 key = f"mem-{length}x{clients}"
                 ps = random_prompts(n, length, seed=1000 * length + 7 * clients, vocab=128000)
                 run[key] = measure_prefill(srv.url, ps, clients, rid_prefix=key if arm == "on" else None)
-                consume(export_dir, "mem-", seen)  # /dev/shm holds one shape's rows at a time
+                got = consume(export_dir, "mem-", seen)  # /dev/shm holds one shape's rows at a time
+                run["exported_samples"] += got["samples"]
+                run["sample_errors"] += got["errors"]
             run["gpu_mem_mib_after_load"] = gpu_mem_by_server({arm: srv})[arm]
         subprocess.run(["rm", "-rf", export_dir])
     res["delta_mib"] = {k: res["on"][k] - res["off"][k] for k in ("gpu_mem_mib_idle", "gpu_mem_mib_after_load")}
