@@ -192,6 +192,12 @@ def summarize(rows):
             out[f"steady_ratio_{name}"] = {"per_round": steady, "median": statistics.median(steady),
                                            "min": min(steady), "max": max(steady)}
     out["ratio_median"] = out["ratio_on"]["median"]
+    if all("held_ms_max" in m for m in rows["on"]):
+        # Where a round's extra seconds go: the longest wait of an answer for its sample, and
+        # that of the round's last answer (harness.bench.measure_prefill reads held_ms).
+        out["tail"] = {"extra_s_per_round": [a["seconds"] - b["seconds"] for a, b in zip(rows["on"], rows["off"])],
+                       "held_ms_max_per_round": [m["held_ms_max"] for m in rows["on"]],
+                       "held_ms_last_per_round": [m["held_ms_last"] for m in rows["on"]]}
     out["latency_ms_p50_median"] = {k: statistics.median(x["latency_ms_p50"] for x in v) for k, v in rows.items()}
     out["latency_ms_p99_median"] = {k: statistics.median(x["latency_ms_p99"] for x in v) for k, v in rows.items()}
     return out

@@ -19,10 +19,14 @@ ARM = {"off": ("export off", "#9e9e9e"), "on": ("export ON", "#1565c0"),
        "on_opt_out": ("export server,\nrequests opt out", "#64b5f6")}
 for phase, name in (("radix-on", "prefix cache on"), ("radix-off", "prefix cache off")):
     for shape, s in d.get(phase, {}).get("shapes", {}).items():
+        if "tokens_per_s_median" not in s:  # a shape cut short by the run's time limit
+            continue
         for arm, tps in s["tokens_per_s_median"].items():
             ratio = s.get("ratio_vs_off", {}).get(arm, {}).get("median", s["ratio_median"] if arm == "on" else None)
+            steady = s.get(f"steady_ratio_{arm}", {}).get("median")
             text, color = ARM[arm]
-            labels.append(f"{shape}\n{name}\n{text}" + (f"\n({ratio:.3f}x)" if ratio else ""))
+            labels.append(f"{shape}\n{name}\n{text}" + (f"\n({ratio:.3f}x)" if ratio else "")
+                          + (f"\nsteady {steady:.3f}x" if steady else ""))
             values.append(tps)
             colors.append(color)
             # the spread of the rounds (an opt-out round served from the prefix cache is left out)
@@ -48,7 +52,10 @@ ax.set_ylabel("prompt tokens / s")
 gpu = d.get("provenance", {}).get("radix-on", {}).get("hardware", {}).get("gpu", "GPU")
 ax.set_title(f"sglang-hs hidden-state export, SGLang 0.5.17, Llama-3-8B geometry\n"
              f"{gpu}, shape = prompt tokens x clients, medians of alternating rounds (bars: min-max of the rounds)\n"
-             f"CUDA graphs on, export to /dev/shm", fontsize=9)
+             f"CUDA graphs on, export to /dev/shm; (x): a round's tokens/s vs export off"
+             + ("; steady: the same between 10% and 90% of answers" if "steady" in "".join(labels) else "")
+             + (f"\nGPU memory, each server alone: export on adds {mem['delta_mib']['gpu_mem_mib_after_load']} MiB"
+                if (mem := d.get("memory")) else ""), fontsize=9)
 fig.tight_layout()
 fig.savefig(dst, dpi=120)
 print(dst)

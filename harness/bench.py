@@ -26,7 +26,9 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 32000) -> List[L
 def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, rid_prefix: Optional[str] = None,
                     extra: Optional[dict] = None, export: Optional[bool] = None) -> Dict[str, float]:
     """Send every prompt once (max_new_tokens=1) with `concurrency` clients; prompt tokens/s.
-    export=False asks an export server not to export these requests (the request option)."""
+    export=False asks an export server not to export these requests (the request option).
+    On an export server, held_ms_*: how long answers waited for their samples to be durable
+    (meta_info.hidden_states_export.held_ms), and held_ms_last that of the round's last answer."""
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=concurrency)
     session.mount("http://", adapter)
@@ -42,7 +44,8 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
         r = session.post(url + "/generate", json=body, timeout=3600)
         r.raise_for_status()
         end = time.perf_counter()
-        return len(r.content), end - t, end
+        held = (r.json().get("meta_info", {}).get("hidden_states_export") or {}).get("held_ms")
+        return len(r.content), end - t, end, held
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as ex:
@@ -50,10 +53,15 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
     wall = time.perf_counter() - t0
     tokens = sum(len(p) for p in prompts)
     lat = sorted(x[1] for x in done)
-    return {"prompts": len(prompts), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
-            "steady_tokens_per_s": steady_rate([(x[2], len(p)) for x, p in zip(done, prompts)]),
-            "response_bytes": sum(x[0] for x in done), "latency_ms_p50": round(1000 * lat[len(lat) // 2], 1),
-            "latency_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1)}
+    res = {"prompts": len(prompts), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
+           "steady_tokens_per_s": steady_rate([(x[2], len(p)) for x, p in zip(done, prompts)]),
+           "response_bytes": sum(x[0] for x in done), "latency_ms_p50": round(1000 * lat[len(lat) // 2], 1),
+           "latency_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1)}
+    held = sorted(x[3] for x in done if x[3] is not None)
+    if held:
+        res.update({"held_ms_p50": held[len(held) // 2], "held_ms_p99": held[min(len(held) - 1, int(0.99 * len(held)))],
+                    "held_ms_max": held[-1], "held_ms_last": max(done, key=lambda x: x[2])[3]})
+    return res
 
 
 def steady_rate(answers: Sequence[Tuple[float, int]], lo: float = 0.1, hi: float = 0.9) -> Optional[float]:

@@ -14,6 +14,7 @@ import requests
 from hypothesis import HealthCheck, given, settings, strategies as st
 import torch
 
+from harness.bench import measure_prefill
 from harness.fixtures import prompts
 from sglang_hs.format import load_sample, read_manifest, validate_export
 from sglang_hs.tools.serve import LocalServer
@@ -57,10 +58,13 @@ def test_rows_equal_return_hidden_states_and_match_hf_across_many_chunks(tiny_se
     srv = tiny_server
     lengths = [1, 2, 63, 64, 65, 200, 700]  # up to 11 chunks of 64
     for i, ids in enumerate(prompts(1, lengths)):
+        t0 = time.perf_counter()
         r = export(srv, f"exact-{i}", ids, return_hidden_states=True)
+        wall_ms = 1000 * (time.perf_counter() - t0)
         assert r.status_code == 200, r.text
         meta = r.json()["meta_info"]
         assert meta["hidden_states_export"]["num_tokens"] == len(ids)
+        assert 0 <= meta["hidden_states_export"]["held_ms"] < wall_ms  # a part of the request's latency
         t = sample(srv.export_dir, f"exact-{i}")
         assert t["token_ids"].tolist() == ids
         # The runtime's own rows (packed aux, as upstream returns them with aux capture on):
@@ -93,6 +97,14 @@ def test_prefix_cache_same_prompt_twice_and_shared_prefixes(tiny_server):
     assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] > 0
     assert "hidden_states_export" not in r.json()["meta_info"]
     assert "not-exported" not in {e["id"] for e in read_manifest(srv.export_dir)}
+
+
+def test_a_benchmark_round_reads_how_long_export_held_its_answers(tiny_server):
+    m = measure_prefill(tiny_server.url, prompts(4, [40] * 8), 4, rid_prefix="held")
+    assert 0 <= m["held_ms_p50"] <= m["held_ms_p99"] <= m["held_ms_max"] < 1000 * m["seconds"]
+    assert m["held_ms_last"] <= m["held_ms_max"]
+    opted_out = measure_prefill(tiny_server.url, prompts(5, [40] * 4), 4, export=False)
+    assert "held_ms_max" not in opted_out
 
 
 def test_32_concurrent_requests_of_mixed_lengths(tiny_server):

@@ -3,6 +3,7 @@
 with what status, and holding the response until the outcome arrives."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -96,9 +97,11 @@ class Waiter:
     def __init__(self, outcomes):
         self.outcomes = {(o.rid, o.call_id): o for o in outcomes}
         self.waited = []
+        self.delay_s = {}  # rid: seconds until its sample is durable
 
     async def wait(self, rid, call_id):
         self.waited.append(rid)
+        await asyncio.sleep(self.delay_s.get(rid, 0.0))
         return self.outcomes[(rid, call_id)]
 
 
@@ -115,9 +118,25 @@ def test_a_finished_exported_request_gets_its_export_info():
     adm = Admission("c1", ["a", "b"])
     w = Waiter([Outcome("a", "c1", ok=True, path="p/a", num_tokens=3, bytes=9)])
     out = hold([finished("a"), finished("z")], adm, w)  # z: opted out, not waited for
-    assert out[0]["meta_info"]["hidden_states_export"] == {"dir": "/d", "path": "p/a", "num_tokens": 3, "bytes": 9}
+    info = out[0]["meta_info"]["hidden_states_export"]
+    assert {k: info[k] for k in ("dir", "path", "num_tokens", "bytes")} == {"dir": "/d", "path": "p/a", "num_tokens": 3,
+                                                                         "bytes": 9}
     assert "hidden_states_export" not in out[1]["meta_info"] and w.waited == ["a"]
     assert adm.unclaimed == {"b"}
+
+
+def test_held_ms_is_how_long_each_answer_waited_for_its_sample():
+    """A batch's answers wait in turn: each says how long it was held from the moment SGLang
+    handed the output over (what export added to that request's latency)."""
+    adm = Admission("c1", ["a", "b"])
+    w = Waiter([Outcome("a", "c1", ok=True, path="p/a", num_tokens=3, bytes=9),
+                Outcome("b", "c1", ok=True, path="p/b", num_tokens=3, bytes=9)])
+    w.delay_s = {"a": 0.2, "b": 0.1}
+    t0 = time.perf_counter()
+    out = hold([finished("a"), finished("b")], adm, w)
+    wall_ms = 1000 * (time.perf_counter() - t0)
+    a, b = (o["meta_info"]["hidden_states_export"]["held_ms"] for o in out)
+    assert 195 <= a < b <= wall_ms and b >= 295  # asyncio.sleep may wake a clock tick early
 
 
 def test_unfinished_and_aborted_requests_wait_for_nothing():

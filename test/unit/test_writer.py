@@ -55,7 +55,8 @@ def test_writes_files_manifest_and_reports(tmp_path):
     # Every slab came back to the pool and is reused: none in use, none queued.
     assert w.pool.in_use == 0 and w.pool.queued == 0 and w.pool.overflow == 0
     lat = w.durable_latency()  # each sample's time from complete rows to durable
-    assert lat["durable_n"] == 20 and 0 < lat["durable_ms_p50"] <= lat["durable_ms_p99"]
+    assert lat["durable_n"] == 20 and 0 < lat["durable_ms_p50"] <= lat["durable_ms_p99"] <= lat["durable_ms_max"]
+    assert 0 <= lat["copy_wait_ms_p50"] <= lat["copy_wait_ms_max"] <= lat["durable_ms_max"]
 
 
 def test_duplicate_id_is_refused_not_overwritten(tmp_path):
@@ -141,3 +142,17 @@ def test_writer_waits_for_the_device_copy_before_reading_rows(tmp_path):
     assert ev.waited and msgs[0].ok
     rep = validate_export(d)
     assert rep.ok, rep.errors  # no NaN: the rows were read after the copy
+
+
+def test_durable_latency_says_how_much_was_waiting_for_the_copy(tmp_path):
+    d = str(tmp_path)
+    w, msgs = make_writer(d)
+    for i in range(4):
+        st = complete_state(f"r{i}", 5, pool=w.pool)
+        st.ready.append(SlowCopy(st, 1.0))  # lands 50 ms after the writer starts waiting
+        submit(w, st)
+    w.close()
+    assert all(m.ok for m in msgs)
+    lat = w.durable_latency()
+    assert 50 <= lat["copy_wait_ms_p50"] <= lat["durable_ms_p50"]
+    assert lat["copy_wait_ms_max"] <= lat["durable_ms_max"]

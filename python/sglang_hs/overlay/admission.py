@@ -8,6 +8,7 @@ normalisation (every rid filled in, one sampling-params dict per entry) and call
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import List, Optional, Sequence, Set
 
 from sglang_hs.format import check_sample_id
@@ -75,7 +76,10 @@ def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_
 async def hold_until_durable(out, adm: Admission, waiter, out_dir: str) -> None:
     """For each finished, exported request in one output of the call (a dict, or a list of
     them for a batch), wait for its outcome and add meta_info["hidden_states_export"]. An
-    aborted request has nothing to wait for; a failed sample raises its ExportError."""
+    aborted request has nothing to wait for; a failed sample raises its ExportError.
+    held_ms: how long the answer waited here, after SGLang had it, for its sample to be
+    durable: the latency export adds to this request."""
+    t0 = time.perf_counter()
     for item in out if isinstance(out, list) else [out]:
         mi = item.get("meta_info", {}) if isinstance(item, dict) else {}
         rid, fin = mi.get("id"), mi.get("finish_reason")
@@ -87,5 +91,5 @@ async def hold_until_durable(out, adm: Admission, waiter, out_dir: str) -> None:
         adm.unclaimed.discard(rid)
         info = outcome.meta_info(out_dir)
         if info is not None:
-            mi["hidden_states_export"] = info
+            mi["hidden_states_export"] = {**info, "held_ms": round(1000 * (time.perf_counter() - t0), 1)}
 

@@ -11,7 +11,7 @@ import queue
 import re
 import threading
 import time
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from sglang_hs.format import (
     FILES_PER_SHARD,
@@ -50,9 +50,9 @@ class SampleWriter:
         self.notify = notify
         self.storage = storage
         self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
-        # Seconds from a prompt's last rows leaving the forward to its manifest line (the
-        # latency the export adds to a request), for the most recent samples.
-        self._durable_s: "collections.deque[float]" = collections.deque(maxlen=4096)
+        # Seconds from a prompt's last rows leaving the forward to its manifest line, and the
+        # part of it spent waiting for their device->host copy, for the most recent samples.
+        self._durable_s: "collections.deque[Tuple[float, float]]" = collections.deque(maxlen=4096)
         self._lock = threading.Lock()
         self._manifest_lock = threading.Lock()
         self._ids = {e["id"] for e in read_manifest(out_dir)}
@@ -122,6 +122,7 @@ class SampleWriter:
         t0 = time.perf_counter()
         for ev in st.ready:  # device->host copies of these rows (GPU); wait here, not in the forward
             ev.synchronize()
+        copied = time.perf_counter()
         if aborted():
             self.notify(st.outcome(aborted=True))
             return
@@ -143,7 +144,7 @@ class SampleWriter:
                 self.stats["tokens"] += st.prompt_len
                 self.stats["bytes"] += size
                 self.stats["write_s"] += time.perf_counter() - t0
-                self._durable_s.append(time.perf_counter() - submitted)
+                self._durable_s.append((time.perf_counter() - submitted, copied - submitted))
         if not out.ok:
             with self._lock:
                 self.stats["failed"] += 1
@@ -182,14 +183,20 @@ class SampleWriter:
         self.notify(st.outcome(error=error, status=status))
 
     def durable_latency(self) -> Dict[str, float]:
-        """p50/p99 (ms) of the time from a prompt's rows being complete to its sample being
-        durable, over the most recent samples."""
+        """p50/p99/max (ms) of the time from a prompt's rows leaving the forward to its sample
+        being durable, and of its part spent waiting for the device->host copy (on a GPU, the
+        forward's own remaining time too, as the forward loop runs ahead of the device), over
+        the most recent samples."""
         with self._lock:
-            xs = sorted(self._durable_s)
-        if not xs:
+            pairs = list(self._durable_s)
+        if not pairs:
             return {}
-        pick = lambda q: round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2)  # noqa: E731
-        return {"durable_ms_p50": pick(0.5), "durable_ms_p99": pick(0.99), "durable_n": len(xs)}
+        out = {}
+        for name, xs in (("durable", sorted(p[0] for p in pairs)), ("copy_wait", sorted(p[1] for p in pairs))):
+            pick = lambda q: round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 2)  # noqa: E731
+            out.update({f"{name}_ms_p50": pick(0.5), f"{name}_ms_p99": pick(0.99), f"{name}_ms_max": pick(1.0)})
+        out["durable_n"] = len(pairs)
+        return out
 
     @property
     def queued(self) -> int:
