@@ -44,7 +44,9 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
         r = session.post(url + "/generate", json=body, timeout=3600)
         r.raise_for_status()
         end = time.perf_counter()
-        held = (r.json().get("meta_info", {}).get("hidden_states_export") or {}).get("held_ms")
+        held = None
+        if b'"held_ms"' in r.content:  # parse only exported answers (return_hidden_states ones are MBs)
+            held = r.json()["meta_info"]["hidden_states_export"]["held_ms"]
         return len(r.content), end - t, end, held
 
     t0 = time.perf_counter()
