@@ -48,7 +48,8 @@ labels = [k for k in runs if "c16" in runs[k]]
 for j, c in enumerate(("c16", "c1")):
     tps = [runs[k][c]["output_tokens_per_s"] for k in labels]
     ax[3].bar([i + 0.4 * j for i in range(len(labels))], [t["median"] for t in tps], width=0.4,
-              yerr=[[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]], capsize=3, color=[COLORS[k.split("/")[0]] for k in labels], alpha=1.0 if c == "c16" else 0.55,
+              yerr=[[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]], capsize=3,
+              color=[COLORS[k.split("/")[0]] for k in labels], alpha=1.0 if c == "c16" else 0.55,
               label=f"{c[1:]} client(s)")
 ax[3].set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=7, rotation=15)
 ax[3].set_yscale("log")

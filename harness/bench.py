@@ -54,16 +54,21 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
         done = list(ex.map(one, range(len(prompts))))
     wall = time.perf_counter() - t0
     tokens = sum(len(p) for p in prompts)
-    lat = sorted(x[1] for x in done)
+    lat = sorted(1000 * x[1] for x in done)
     res = {"prompts": len(prompts), "tokens": tokens, "seconds": wall, "tokens_per_s": tokens / wall,
            "steady_tokens_per_s": steady_rate([(x[2], len(p)) for x, p in zip(done, prompts)]),
-           "response_bytes": sum(x[0] for x in done), "latency_ms_p50": round(1000 * lat[len(lat) // 2], 1),
-           "latency_ms_p99": round(1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1)}
+           "response_bytes": sum(x[0] for x in done), "latency_ms_p50": round(_pick(lat, 0.5), 1),
+           "latency_ms_p99": round(_pick(lat, 0.99), 1)}
     held = sorted(x[3] for x in done if x[3] is not None)
     if held:
-        res.update({"held_ms_p50": held[len(held) // 2], "held_ms_p99": held[min(len(held) - 1, int(0.99 * len(held)))],
-                    "held_ms_max": held[-1], "held_ms_last": max(done, key=lambda x: x[2])[3]})
+        res.update({"held_ms_p50": _pick(held, 0.5), "held_ms_p99": _pick(held, 0.99), "held_ms_max": held[-1],
+                    "held_ms_last": max(done, key=lambda x: x[2])[3]})
     return res
+
+
+def _pick(xs: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted xs (nearest rank)."""
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def steady_rate(answers: Sequence[Tuple[float, int]], lo: float = 0.1, hi: float = 0.9) -> Optional[float]:

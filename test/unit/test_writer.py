@@ -154,5 +154,5 @@ def test_durable_latency_says_how_much_was_waiting_for_the_copy(tmp_path):
     w.close()
     assert all(m.ok for m in msgs)
     lat = w.durable_latency()
-    assert 50 <= lat["copy_wait_ms_p50"] <= lat["durable_ms_p50"]
+    assert 50 <= lat["copy_wait_ms_p50"] < lat["durable_ms_p50"]  # the write (and its fsyncs) comes after
     assert lat["copy_wait_ms_max"] <= lat["durable_ms_max"]
