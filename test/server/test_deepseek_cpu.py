@@ -14,7 +14,7 @@ from sglang_hs.format import validate_export
 from sglang_hs.tools.serve import LocalServer
 from sglang_hs.tools.verify import verify_export
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.core]
 AUX = [1, 4, 7]  # of 8 layers: the lowest and highest ids upstream can capture
 
 

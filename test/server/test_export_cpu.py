@@ -54,6 +54,7 @@ def tiny_server(tiny_path, tmp_path_factory):
         yield srv
 
 
+@pytest.mark.core
 def test_rows_equal_return_hidden_states_and_match_hf_across_many_chunks(tiny_server):
     srv = tiny_server
     lengths = [1, 2, 63, 64, 65, 200, 700]  # up to 11 chunks of 64
@@ -77,6 +78,7 @@ def test_rows_equal_return_hidden_states_and_match_hf_across_many_chunks(tiny_se
     assert_exact_vs_hf(srv.export_dir)
 
 
+@pytest.mark.core
 def test_prefix_cache_same_prompt_twice_and_shared_prefixes(tiny_server):
     srv = tiny_server
     base, = prompts(2, [150])

@@ -17,7 +17,7 @@ from sglang_hs.format import validate_export
 from sglang_hs.tools.serve import LocalServer
 from sglang_hs.tools.verify import verify_export
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.core]
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".cache", "models")
 NUM_LAYERS = 8

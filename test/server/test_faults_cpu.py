@@ -132,6 +132,7 @@ def test_server_killed_mid_capture_is_waited_for_and_the_capture_finishes_after_
     assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids)), "missing or duplicated samples"
 
 
+@pytest.mark.core
 def test_sigterm_mid_run_writes_queued_samples_and_exits(tiny_path, tmp_path):
     out = str(tmp_path / "export")
     log = str(tmp_path / "a.log")

@@ -8,6 +8,7 @@ import sys
 import pytest
 import requests
 
+from sglang_hs.overlay.releases import BY_NAME, ROW_BREAKING_FLAGS, installed
 from sglang_hs.tools.convert import compare_with_server
 from sglang_hs.tools.serve import LocalServer, cpu_env
 
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.server
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.core
 def test_help_lists_the_export_flags():
     r = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], env=cpu_env(),
                        capture_output=True, text=True, timeout=300)
@@ -25,6 +27,7 @@ def test_help_lists_the_export_flags():
         assert flag in r.stdout
 
 
+@pytest.mark.core
 def test_bad_settings_fail_fast_with_a_message_that_says_what_to_do(tiny_path, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -52,6 +55,11 @@ def test_bad_settings_fail_fast_with_a_message_that_says_what_to_do(tiny_path, t
         (base + ["--export-hidden-states-dir", ok_dir, "--export-aux-layer-ids", "1", "4", "7"], None),
         (base, None),
     ]
+    # Upstream flags that break the row plan, refused on the releases that have them.
+    for field, (diff, why) in ROW_BREAKING_FLAGS.items():
+        if BY_NAME[diff].applies(installed()):
+            needs = ["--speculative-algorithm", "EAGLE3"] if field == "enable_return_aux_hidden_states" else []
+            cases.append((base + ["--export-hidden-states-dir", ok_dir, "--" + field.replace("_", "-"), *needs], why))
     try:
         r = subprocess.run([sys.executable, os.path.join(HERE, "launcher_probe.py"),
                             json.dumps([c for c, _ in cases])], env=cpu_env(), capture_output=True, text=True,

@@ -77,6 +77,7 @@ def planes(t):
     return torch.cat([t["aux_hidden_states"], t["final_hidden_states"][:, None]], dim=1).float()
 
 
+@pytest.mark.core
 def test_tp2_samples_equal_tp1_and_match_hf(tp1_out, tp2, tiny_path):
     a, b = samples(tp1_out), samples(tp2.export_dir)
     assert sorted(a) == sorted(b) == sorted(prompt_set())

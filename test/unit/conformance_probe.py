@@ -30,7 +30,6 @@ for s in seams.SEAMS:
         "params": list(inspect.signature(orig or fn).parameters),
     }
 
-from sglang.srt.distributed.parallel_state_wrapper import ParallelState  # noqa: E402
 from sglang.srt.managers.io_struct import GenerateReqInput  # noqa: E402
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -50,7 +49,29 @@ def eagle3_ids(cls, ids, layers=30):
 
 f = out["facts"]
 f["schedule_batch_fields"] = [x.name for x in dataclasses.fields(ScheduleBatch)]
-f["parallel_state_fields"] = [x.name for x in dataclasses.fields(ParallelState)]
+# Where ranks come from (sglang_hs.overlay.releases.parallel_ranks): ModelRunner.ps up to
+# 0.5.20, runtime_context.get_parallel() after.
+try:
+    from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+    f["parallel_state_fields"] = [x.name for x in dataclasses.fields(ParallelState)]
+except ImportError:
+    f["parallel_state_fields"] = None
+import sglang.srt.runtime_context as runtime_context  # noqa: E402
+
+f["parallel_context_fields"] = sorted(runtime_context._parallel_fields() if hasattr(runtime_context, "_parallel_fields")
+                                      else runtime_context._PARALLEL_FIELDS)
+# Every launcher flag's ServerArgs field (the row-breaking flags exist from their release on).
+import argparse  # noqa: E402
+
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+_parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(_parser)
+f["server_args_dests"] = sorted({a.dest for a in _parser._actions})
+from sglang.srt.arg_groups.overrides import resolved_view  # noqa: E402,F401  (releases.resolved)
+
+f["sglang_version"] = __import__("sglang").__version__
 f["req_init_source"] = inspect.getsource(Req.__init__)
 f["model_runner_init_source"] = inspect.getsource(ModelRunner.__init__) + inspect.getsource(ModelRunner)
 f["generate_req_fields"] = [x.name for x in dataclasses.fields(GenerateReqInput)]

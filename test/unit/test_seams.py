@@ -1,5 +1,6 @@
-"""Conformance of every seam with the pinned SGLang release: each target resolves, our hook
-is the one applied there, and the upstream facts the hooks rely on still hold. A renamed or
+"""Conformance of every seam with the installed SGLang release (any of the window): each
+target resolves, our hook is the one applied there, and the upstream facts the hooks rely on
+hold, on the side of each release difference (sglang_hs.overlay.releases) this release is on. A renamed or
 re-signatured upstream function fails here instead of silently exporting nothing."""
 
 import ast
@@ -56,15 +57,19 @@ def test_every_seam_is_listed_here_and_in_fork_notes():
     assert rows == [(s.fn.__name__, s.target, s.hook_type.name) for s in SEAMS]
 
 
-def test_only_seams_imports_sglang_internals():
-    """The overlay's logic and the tools take plain values; only the hook module touches
-    sglang.srt, so everything else is unit-tested without SGLang's processes."""
+UPSTREAM_READERS = {os.path.join("overlay", "seams.py"), os.path.join("overlay", "releases.py")}
+
+
+def test_only_seams_and_releases_import_sglang_internals():
+    """The overlay's logic and the tools take plain values; only the hook module and the
+    release adapters touch sglang.srt, so everything else is unit-tested without SGLang's
+    processes."""
     pkg = os.path.join(HERE, "..", "..", "python", "sglang_hs")
     offenders = []
     for root, _, files in os.walk(pkg):
         for name in files:
             path = os.path.join(root, name)
-            if not name.endswith(".py") or os.path.relpath(path, pkg) == os.path.join("overlay", "seams.py"):
+            if not name.endswith(".py") or os.path.relpath(path, pkg) in UPSTREAM_READERS:
                 continue
             for node in ast.walk(ast.parse(open(path).read())):
                 mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -98,7 +103,10 @@ def test_admission_reads_sglang_normalised_requests(probe):
     assert not b["is_single"] and len(b["rid"]) == 2 and all(b["rid"]) and len(set(b["params"])) == 1
     assert len(b["params"]) == 2
     assert n["batch_one_rid"]["rid"] == ["r_0", "r_1"]
-    assert not n["n2"]["is_single"] and len(n["n2"]["rid"]) == 1 and len(n["n2"]["params"]) == 2
+    from sglang_hs.overlay.releases import BY_NAME
+
+    n_rids = 2 if BY_NAME["single_prompt_n_rids"].applies(probe["sglang_version"]) else 1
+    assert not n["n2"]["is_single"] and len(n["n2"]["rid"]) == n_rids and len(n["n2"]["params"]) == 2
 
 
 @pytest.mark.parametrize("target", sorted(EXPECTED_PARAMS))
@@ -113,12 +121,10 @@ def test_seam_target_resolves_and_our_hook_is_applied(probe, target):
 def test_upstream_facts_the_hooks_rely_on(probe):
     for field in ("reqs", "prefix_lens", "extend_lens", "forward_mode"):
         assert field in probe["schedule_batch_fields"]
-    for field in ("attn_tp_rank", "attn_cp_rank", "attn_dp_rank", "dp_rank", "pp_rank", "pp_size"):
-        assert field in probe["parallel_state_fields"]
     for attr in ("self.origin_input_ids", "self.finished_reason", "self.to_finish", "self.sampling_params",
                  "self.rid"):
         assert attr in probe["req_init_source"]
-    for attr in ("self.is_draft_worker", "self.model_config", "self.ps", "self.server_args", "self.dtype"):
+    for attr in ("self.is_draft_worker", "self.model_config", "self.server_args", "self.dtype"):
         assert attr in probe["model_runner_init_source"]
     for field in ("rid", "sampling_params", "input_embeds"):
         assert field in probe["generate_req_fields"]
@@ -157,18 +163,25 @@ def test_loop_reads_of_upstream_stacks(probe):
 def readme_family_table():
     readme = open(os.path.join(HERE, "..", "..", "README.md")).read()
     body = readme.split("<!-- family-table -->")[1].split("<!-- /family-table -->")[0]
-    rows = {}
+    rows, since = {}, {}
     for line in body.strip().splitlines()[2:]:
-        cls, status, note = (c.strip() for c in line.strip("|").split("|"))
+        cls, first, status, note = (c.strip() for c in line.strip("|").split("|"))
         rows[cls.strip("`")] = (status, note)
-    return rows
+        since[cls.strip("`")] = first
+    return rows, since
 
 
 def test_readme_family_table_lists_every_class_with_an_eagle3_setter(probe):
+    """The table covers the whole window: every class of the installed release, with the
+    release it first appeared in; the classes it dates after this release are the only
+    ones missing here (none is ever dropped upstream in the window)."""
     from sglang_hs.overlay.aux_layers import DRAFT_SUFFIXES, REFUSED, REFUSED_STACKS, TESTED
+    from sglang_hs.overlay.releases import in_window, version_tuple
 
-    rows = readme_family_table()
-    assert sorted(rows) == sorted(probe["eagle3_classes"])
+    rows, since = readme_family_table()
+    assert all(in_window(v) for v in since.values())
+    here = version_tuple(probe["sglang_version"])[:3]
+    assert sorted(c for c, v in since.items() if version_tuple(v) <= here) == sorted(probe["eagle3_classes"])
     assert {c for c, (st, _) in rows.items() if st == "tested"} == set(TESTED)
     for c, where in TESTED.items():
         assert f"on {where}" in rows[c][1], f"{c}: the note must say where it was tested ({where})"
@@ -178,3 +191,29 @@ def test_readme_family_table_lists_every_class_with_an_eagle3_setter(probe):
     assert by_name <= refused
     for c in refused - by_name:  # refused for their decoder stack: the note names it
         assert any(stack in rows[c][1] for stack in REFUSED_STACKS), c
+
+
+def test_ranks_come_from_where_this_release_keeps_them(probe):
+    """releases.parallel_ranks reads ModelRunner.ps before 0.5.21 and get_parallel() from
+    it on: the installed release must have the names on the side its version says."""
+    import dataclasses
+
+    from sglang_hs.overlay.releases import BY_NAME, Ranks
+
+    names = {f.name for f in dataclasses.fields(Ranks)}
+    if BY_NAME["parallel_ranks"].applies(probe["sglang_version"]):
+        assert probe["parallel_state_fields"] is None
+        assert "self.ps" not in probe["model_runner_init_source"]
+        assert names <= set(probe["parallel_context_fields"])
+    else:
+        assert names <= set(probe["parallel_state_fields"])
+        assert "self.ps" in probe["model_runner_init_source"]
+
+
+def test_row_breaking_flags_exist_from_the_release_their_difference_names(probe):
+    """Each refused flag is a launcher flag exactly from its release on (so the refusal is
+    live where the flag exists, and the table's release is right)."""
+    from sglang_hs.overlay.releases import BY_NAME, ROW_BREAKING_FLAGS
+
+    for field, (diff, _) in ROW_BREAKING_FLAGS.items():
+        assert (field in probe["server_args_dests"]) == BY_NAME[diff].applies(probe["sglang_version"]), field

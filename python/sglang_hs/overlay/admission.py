@@ -38,10 +38,10 @@ def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_
     An entry is exported unless it opts out (`"export": false`) or is SGLang's own health
     check (`skip_prefix`), which the schedulers skip too. Each error carries its HTTP status.
     """
-    if len(sampling_params) != len(rids) * parallel_sample_num:
-        raise ValueError(f"{len(rids)} rids but {len(sampling_params)} sampling params")
     options = [parse_request_options(sp.get("custom_params")) for sp in sampling_params]
     if parallel_sample_num > 1:
+        # No entry count is checked here: a single prompt with n > 1 has one rid up to SGLang
+        # 0.5.17 and n rids from 0.5.18 on (releases.DIFFERENCES), and no entry is exported.
         # SGLang repeats the whole list n times, and sends n + 1 requests under new rids.
         if any(o.export for o in options):
             raise RequestOptionsError(
@@ -49,6 +49,8 @@ def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_
                 "states are the same each time: send n=1, or opt out with custom_params "
                 f'{{"{REQUEST_KEY}": {{"export": false}}}}')
         return Admission(call_id, [])
+    if len(sampling_params) != len(rids):
+        raise ValueError(f"{len(rids)} rids but {len(sampling_params)} sampling params")
     keep = []
     for i, (rid, opts) in enumerate(zip(rids, options)):
         if not opts.export or (skip_prefix and str(rid).startswith(skip_prefix)):

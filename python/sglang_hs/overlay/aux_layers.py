@@ -88,6 +88,12 @@ def find_stack(model: Any) -> Tuple[str, Any]:
                          f"{supported_hint()}")
 
 
+# `X in self.layers_to_capture` where X is the end of the stack: a read for the last layer's
+# output only (MiniMax-M3 from SGLang 0.5.23, GptOss, Laguna, Lfm2, MiMo-V2, NemotronH), which
+# sglang-hs never asks for (ids are 1..L-1); the loop's per-layer reads decide what it reads.
+END_OF_STACK = {"self.end_layer", "len(self.layers)", "num_layers", "self.config.num_hidden_layers"}
+
+
 @functools.lru_cache(maxsize=None)
 def loop_reads(stack_cls: type) -> FrozenSet[str]:
     """Which capture state the stack's forward reads: `in self.layers_to_capture` (the list)
@@ -98,7 +104,7 @@ def loop_reads(stack_cls: type) -> FrozenSet[str]:
     except (OSError, TypeError, AttributeError):
         return frozenset()
     reads = set()
-    if re.search(r"in\s+self\.layers_to_capture\b", src):
+    if any(subject not in END_OF_STACK for subject in re.findall(r"(\S+)\s+in\s+self\.layers_to_capture\b", src)):
         reads.add(LIST)
     if FLAGS in src:
         reads.add(FLAGS)

@@ -1,9 +1,11 @@
-"""Every place sglang-hs touches SGLang internals (pinned: sglang==0.5.17).
+"""Every place sglang-hs touches SGLang internals (SGLang 0.5.17 to 0.5.23).
 
 One function per upstream target. Each docstring says: the target, why we hook it, what an
 upstream PR would do instead, and when to remove the seam. FORK_NOTES.md is the same ledger
 for readers; test/unit/test_seams.py resolves every target in the installed SGLang and proves
-each hook is applied (HookRegistry only logs a hook that fails to apply).
+each hook is applied (HookRegistry only logs a hook that fails to apply). What differs
+between the releases of the window is read through the adapters in releases.py, never by
+testing a version here.
 
 `register()` is the plugin entry point (group `sglang.srt.plugins`): SGLang calls it in every
 process (launcher, HTTP/tokenizer process, each scheduler) before it builds anything.
@@ -28,6 +30,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_hs.format import check_compatible, read_export_json, repair_export, write_export_json
+from sglang_hs.overlay import releases
 from sglang_hs.overlay.config import (
     ExportConfig,
     ExportConfigError,
@@ -172,6 +175,10 @@ def _apply_platform_preset(args) -> None:
 
 
 def _check_startup(server_args, args) -> ExportConfig:
+    refused = releases.row_breaking_flags(server_args)
+    if refused:
+        raise ExportConfigError("--export-hidden-states-dir cannot be combined with " + "; ".join(refused)
+                                + ". Drop the flag.")
     if server_args.pp_size > 1:
         raise ExportConfigError("--export-hidden-states-dir with --pp-size > 1 is not supported yet.")
     if server_args.speculative_algorithm is not None:
@@ -253,11 +260,11 @@ def init_attention_backends(result, self):
     if not aux.tested:
         logger.warning("sglang-hs: exporting %s, which sglang-hs has not compared with Hugging Face "
                        "(--export-allow-untested-model); check the first samples with `sglang-hs verify DIR`", arch)
-    ps = self.ps
+    ranks = releases.parallel_ranks(self)
     writer = None
-    if is_writer_rank(ps.attn_tp_rank, ps.attn_cp_rank, ps.pp_rank == ps.pp_size - 1):
-        writer = _make_writer(cfg, self, arch, num_layers, ids)
-    _runtime = ExportRuntime(ids, writer, rank=f"dp{ps.attn_dp_rank}-tp{ps.attn_tp_rank}")
+    if is_writer_rank(ranks.attn_tp_rank, ranks.attn_cp_rank, ranks.pp_rank == ranks.pp_size - 1):
+        writer = _make_writer(cfg, self, arch, num_layers, ids, ranks.writer_shard)
+    _runtime = ExportRuntime(ids, writer, rank=f"dp{ranks.attn_dp_rank}-tp{ranks.attn_tp_rank}")
     logger.info("sglang-hs: aux capture on %s layers %s (HF convention; %s reads %s), writer rank: %s",
                 arch, list(ids), aux.path, "+".join(sorted(aux.reads)), writer is not None)
     if writer is not None:
@@ -302,14 +309,14 @@ def drain_on_shutdown(self, *args, **kwargs):
     return None
 
 
-def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
+def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids, shard: str):
     import sglang
 
     from sglang_hs.overlay.notify import Notifier
     from sglang_hs.overlay.staging import SlabPool
     from sglang_hs.overlay.writer import SampleWriter
 
-    sa = runner.server_args
+    sa = releases.resolved(runner.server_args)  # what the server runs with, not only what was typed
     info = export_info(
         model_path=sa.model_path, architecture=arch, hidden_size=runner.model_config.hidden_size,
         num_layers=num_layers, dtype=str(runner.dtype).replace("torch.", ""), aux_layer_ids=ids,
@@ -322,9 +329,8 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids):
         write_export_json(cfg.out_dir, info)
     else:
         check_compatible(existing, info)
-    dp = runner.ps.attn_dp_rank if sa.enable_dp_attention else (runner.ps.dp_rank or 0)
     pool = SlabPool(cfg.host_buffer_bytes, pin=str(runner.device).startswith("cuda"))
-    return SampleWriter(cfg.out_dir, f"dp{dp}", ids, pool,
+    return SampleWriter(cfg.out_dir, shard, ids, pool,
                         Notifier(cfg.notify_addr), threads=cfg.writer_threads, storage=cfg.storage)
 
 

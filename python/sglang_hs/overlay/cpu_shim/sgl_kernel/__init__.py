@@ -15,6 +15,7 @@ def _never_called(name):
 
 
 for _name in (
+    "assign_draft_cache_locs_contiguous_cpu",  # imported from SGLang 0.5.23 on
     "assign_extend_cache_locs_cpu",
     "assign_req_to_token_pool_cpu",
     "build_tree_kernel_efficient_cpu",
@@ -22,7 +23,7 @@ for _name in (
     "fill_accept_out_cache_loc_cpu",
     "fill_bonus_tokens_cpu",
     "verify_tree_greedy_cpu",
-    "gptq_gemm",
+    "gptq_gemm",  # gptq_*: imported up to SGLang 0.5.19
     "gptq_shuffle",
 ):
     globals()[_name] = _never_called(_name)
