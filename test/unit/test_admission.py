@@ -6,6 +6,8 @@ import asyncio
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sglang_hs.overlay.admission import Admission, admit, hold_until_durable
 from sglang_hs.protocol import (
@@ -161,3 +163,24 @@ def test_a_loss_rows_server_refuses_an_exported_entry_without_a_loss_mask():
     with pytest.raises(RequestOptionsError, match="--export-final-rows loss") as e:
         admit(["a", "b"], [dict(masked), {}], 1, False, set(), "c2", need_loss_mask=True)
     assert e.value.status_code == 400
+
+
+@given(st.lists(st.integers(-5, 60), min_size=1, max_size=20), st.booleans())
+def test_token_ids_outside_the_vocabulary_are_refused_with_400(ids, batch):
+    from sglang_hs.overlay.admission import check_input_ids
+
+    vocab = 50
+    bad = [t for t in ids if not 0 <= t < vocab]
+    try:
+        check_input_ids([ids, [1]] if batch else ids, vocab)
+    except RequestOptionsError as e:
+        assert bad and e.status_code == 400 and str(bad[0]) in str(e)
+    else:
+        assert not bad
+
+
+def test_shapes_that_are_not_token_ids_are_left_to_sglang():
+    from sglang_hs.overlay.admission import check_input_ids
+
+    for x in (None, "text", [], [["a"]], ["x", 1], 7):
+        check_input_ids(x, 50)

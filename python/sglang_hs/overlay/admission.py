@@ -28,6 +28,20 @@ class Admission:
         self.unclaimed = set(self.rids)
 
 
+def check_input_ids(input_ids, vocab_size: int) -> None:
+    """Refuse token ids outside [0, vocab_size) with 400 before any work: from SGLang 0.5.21
+    on nothing upstream checks them, and one such id kills the scheduler in the embedding
+    lookup (releases.DIFFERENCES). Shapes that are not ids are left to SGLang's own checks."""
+    seqs = input_ids if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list) else [input_ids]
+    for seq in seqs:
+        if not isinstance(seq, list):
+            continue
+        bad = next((t for t in seq if isinstance(t, int) and not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestOptionsError(f"input_ids holds token id {bad}, outside the model's vocabulary "
+                                      f"[0, {vocab_size})")
+
+
 def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_num: int,
           has_input_embeds: bool, exported: Set[str], call_id: str,
           skip_prefix: Optional[str] = None, need_loss_mask: bool = False) -> Admission:

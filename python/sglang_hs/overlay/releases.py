@@ -73,6 +73,11 @@ DIFFERENCES: List[Difference] = [
         "ModelRunner.ps and distributed/parallel_state_wrapper.py removed",
         "ranks from ModelRunner.ps", "ranks from sglang.srt.runtime_context.get_parallel()"),
     Difference(
+        "input_ids_vocab_check", "0.5.21",
+        "TokenizerManager no longer checks input_ids against the vocabulary; an out-of-range id kills "
+        "the scheduler in the embedding lookup",
+        "SGLang answers 400", "sglang-hs answers 400 itself (admission.check_input_ids), in every release"),
+    Difference(
         "encoder_swa_bounded_replay", "0.5.21",
         "--enable-encoder-swa-bounded-replay: replayed rows are folded into the forward (0.5.23)",
         "flag absent", "refused with export at start-up (forward rows != prefix/extend lengths)"),

@@ -564,8 +564,9 @@ async def generate_request(original, self, obj, request=None):
         async for out in original(self, obj, request):
             yield out
         return
-    from sglang_hs.overlay.admission import hold_until_durable
+    from sglang_hs.overlay.admission import check_input_ids, hold_until_durable
 
+    check_input_ids(getattr(obj, "input_ids", None), self.model_config.vocab_size)
     waiter = _http_waiter(cfg)
     try:
         async for out in original(self, obj, request):
