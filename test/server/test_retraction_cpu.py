@@ -8,10 +8,11 @@ import random
 import pytest
 
 from sglang_hs.format import validate_export
+from sglang_hs.overlay.releases import SGLANG_WINDOW, installed
 from sglang_hs.tools.serve import LocalServer
 from sglang_hs.tools.verify import verify_export
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.core]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,11 @@ def test_retracted_requests_are_exported_once_and_exact(tight_server):
                     retracted.append(rid)
         if retracted:
             break
+    if not retracted and installed() != SGLANG_WINDOW[0]:
+        # Measured on 0.5.23: its scheduler admits 2 of the 8 requests into 1200 tokens (it
+        # counts pending decode tokens), so nothing runs out of memory and nothing is retracted,
+        # also at max_new_tokens 600. The oldest release of the window (CI's core run) must.
+        pytest.skip(f"SGLang {installed()} retracted no request under this load")
     assert retracted, "no request was retracted; the test did not exercise retraction"
     rep = validate_export(srv.export_dir, expected_tokens=prompts)
     assert rep.ok and rep.samples == len(prompts), rep.errors
