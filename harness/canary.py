@@ -18,6 +18,9 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The canary runs under the machine's Python, not a venv with sglang-hs installed.
+sys.path.insert(0, os.path.join(REPO, "python"))
+from sglang_hs.overlay.releases import version_tuple  # noqa: E402  (stdlib-only module)
 TESTS = ["test/unit/test_seams.py", "test/unit/test_releases.py"]
 
 
@@ -56,8 +59,6 @@ def new_classes(py: str, version: str):
     pl = [x for x in probe.stdout.splitlines() if x.startswith("PROBE_JSON ")]
     if not line or not pl:
         return None, (probe.stderr or out.stderr)[-3000:]
-    from sglang_hs.overlay.releases import version_tuple
-
     dated = json.loads(line[0][len("TABLE "):])
     here = {c for c, v in dated.items() if version_tuple(v) <= version_tuple(version)}
     found = set(json.loads(pl[0][len("PROBE_JSON "):])["eagle3_classes"])
