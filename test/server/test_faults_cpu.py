@@ -132,6 +132,58 @@ def test_server_killed_mid_capture_is_waited_for_and_the_capture_finishes_after_
     assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids)), "missing or duplicated samples"
 
 
+def test_a_capture_stopped_while_waiting_for_a_killed_server_exits_in_seconds_and_a_rerun_completes(
+        tiny_path, tmp_path):
+    """The server killed -9 under a running capture, the client waiting for it (--server-wait
+    600): Ctrl-C, then after a restart and another kill SIGTERM, each end the wait within 5 s
+    (130, 143) with the journal intact; a third run finishes with none missing or twice. The
+    client used to sit out the whole wait, silently."""
+    out, journal_dir = str(tmp_path / "export"), tmp_path / "capture"
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in IDS.values()))
+    expected = {sample_id("", i, {"input_ids": ids}): ids for i, ids in enumerate(IDS.values())}
+    cmd = [sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--data", str(data), "--out", str(journal_dir),
+           "--tokenizer", tiny_path, "--concurrency", "4", "--server-wait", "600"]
+    port = None
+    for run, (sig, listed_before_kill) in enumerate([(signal.SIGINT, 8), (signal.SIGTERM, 16)]):
+        srv = LocalServer(args(tiny_path, out), str(tmp_path / f"server{run}.log"), port=port).__enter__()
+        port, log = srv.port, tmp_path / f"client{run}.log"
+        with open(log, "w") as f:
+            client = subprocess.Popen(cmd + ["--server", srv.url], stdout=f, stderr=subprocess.STDOUT)
+        try:
+            t0 = time.time()
+            while len(read_manifest(out)) < listed_before_kill and time.time() - t0 < 300:
+                time.sleep(0.05)
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+            srv.proc.wait(60)
+            srv.__exit__(None, None, None)
+            t0 = time.time()
+            while f"waiting for {srv.url} (Connection refused) for " not in log.read_text() and time.time() - t0 < 60:
+                time.sleep(0.1)
+            assert client.poll() is None, log.read_text()
+            t0 = time.time()
+            client.send_signal(sig)
+            rc = client.wait(60)
+            took = time.time() - t0
+        finally:
+            if client.poll() is None:
+                client.kill()
+        text = log.read_text()
+        assert rc == 128 + sig and took < 5, (rc, took, text[-3000:])
+        assert f"stopped by {signal.Signals(sig).name}" in text, text[-3000:]
+        lines = (journal_dir / "capture.jsonl").read_text().splitlines()
+        assert len(load_done(str(journal_dir))) == len(lines), "a journal line was torn"
+        assert set(load_done(str(journal_dir))) <= {e["id"] for e in read_manifest(out)}
+        assert len(read_manifest(out)) < N, "the stops came too late to test anything"
+    with LocalServer(args(tiny_path, out), str(tmp_path / "server2.log"), port=port) as srv:
+        r = subprocess.run(cmd + ["--server", srv.url, "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"0 failed of {N}" in r.stdout, r.stdout + r.stderr
+    rep = validate_export(out, expected_tokens=expected)
+    ids = [e["id"] for e in read_manifest(out)]
+    assert rep.ok, rep.errors
+    assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids)), "missing or duplicated samples"
+
+
 @pytest.mark.core
 def test_sigterm_mid_run_writes_queued_samples_and_exits(tiny_path, tmp_path):
     out = str(tmp_path / "export")

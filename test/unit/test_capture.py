@@ -6,18 +6,22 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
 
+import aiohttp
 import pytest
 from aiohttp import web
 from hypothesis import given, strategies as st
 
 from sglang_hs.format import SampleIdError
-from sglang_hs.tools.capture import (FAILED, JOURNAL, CaptureConfig, ServersChangedError, _capture, capture,
-                                     check_servers, load_done, server_for)
+from sglang_hs.tools.capture import (FAILED, JOURNAL, CaptureConfig, ServersChangedError, ServerUnreachable, Stop,
+                                     Waits, _capture, capture, check_servers, load_done, reach_servers, server_for)
 
 
 def exported(body, n=None):
@@ -238,3 +242,166 @@ def test_a_server_that_stays_away_stops_the_run_and_a_rerun_resumes(tmp_path):
     s2 = asyncio.run(rerun())
     assert (s2.exported, s2.failed, s2.skipped_done) == (5, 0, 0)
     assert len(load_done(out)) == 5
+
+
+# The CLI as a user runs it, in its own process, stopped with real signals.
+
+
+def cli(server, data, out, *extra):
+    return [sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--server", server, "--data", str(data),
+            "--out", str(out), *extra]
+
+
+def wait_for_text(path, text, timeout):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if text in path.read_text():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def journal_is_intact(out):
+    p = out / JOURNAL
+    lines = p.read_text().splitlines() if p.exists() else []
+    return all(json.loads(line)["id"] for line in lines)
+
+
+def test_a_server_that_cannot_be_reached_at_start_fails_within_seconds_naming_it(tmp_path, smollm2_path):
+    """A mistyped port used to be treated as a server that went away: up to ten silent minutes."""
+    data = tmp_path / "data.jsonl"
+    write_records(data, 3)
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    r = subprocess.run(cli(url, data, tmp_path / "out", "--tokenizer", smollm2_path), capture_output=True,
+                       text=True, timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"cannot reach {url} (Connection refused)" in r.stderr and "--server-wait" in r.stderr, r.stderr
+    assert took < 15, took
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_ends_the_wait_for_a_server_within_seconds(tmp_path, smollm2_path, sig):
+    """Waiting (--server-wait 600) for a server not there yet: Ctrl-C or SIGTERM used to act
+    only once the wait ran out, and nothing said what the client was waiting for."""
+    data = tmp_path / "data.jsonl"
+    write_records(data, 3)
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "client.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cli(url, data, tmp_path / "out", "--tokenizer", smollm2_path, "--server-wait", "600"),
+                             stdout=f, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for_text(log, f"{url} is not answering (Connection refused): waiting up to 600 s", 60), \
+            log.read_text()
+        assert wait_for_text(log, f"waiting for {url} (Connection refused) for ", 10), log.read_text()
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        rc = p.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+    text = log.read_text()
+    assert rc == 128 + sig and took < 5, (rc, took, text)
+    assert f"stopped by {signal.Signals(sig).name}" in text and "rerun to resume" in text, text
+    assert journal_is_intact(tmp_path / "out")
+
+
+@contextlib.contextmanager
+def server_in_thread(generate):
+    """A scripted server on its own event loop, for a client running in another process."""
+    loop, box = asyncio.new_event_loop(), {}
+    ready = threading.Event()
+
+    def run():
+        asyncio.set_event_loop(loop)
+        box["cm"] = scripted_server(generate)
+        box["url"] = loop.run_until_complete(box["cm"].__aenter__())
+        ready.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    try:
+        yield box["url"], loop
+    finally:
+        asyncio.run_coroutine_threadsafe(box["cm"].__aexit__(None, None, None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+
+
+def test_a_second_ctrl_c_exits_at_once_while_answers_are_awaited(tmp_path, smollm2_path):
+    """The first Ctrl-C waits for requests a live server is still answering (they become
+    durable there and are journaled); the second used to be ignored the same way."""
+    data = tmp_path / "data.jsonl"
+    write_records(data, 6)
+    release = asyncio.Event()
+    answered = []
+
+    async def generate(request):
+        body = await request.json()
+        if body["input_ids"][2] == 0:  # one answers at once, the rest are slow
+            answered.append(body["rid"])
+            return exported(body)
+        await release.wait()
+        return exported(body)
+
+    log = tmp_path / "client.log"
+    with server_in_thread(generate) as (url, loop):
+        with open(log, "w") as f:
+            p = subprocess.Popen(cli(url, data, tmp_path / "out", "--tokenizer", smollm2_path, "--no-progress",
+                                     "--concurrency", "6"), stdout=f, stderr=subprocess.STDOUT)
+        try:
+            t0 = time.monotonic()
+            while len(load_done(str(tmp_path / "out"))) < 1 and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+            p.send_signal(signal.SIGINT)
+            assert wait_for_text(log, "SIGINT: stopping", 10), log.read_text()
+            time.sleep(2)
+            assert p.poll() is None, "the first Ctrl-C must let answers in progress finish"
+            t0 = time.monotonic()
+            p.send_signal(signal.SIGINT)
+            rc = p.wait(30)
+            took = time.monotonic() - t0
+        finally:
+            p.kill()
+            loop.call_soon_threadsafe(release.set)
+    assert rc == 130 and took < 5, (rc, took, log.read_text())
+    assert journal_is_intact(tmp_path / "out")
+    assert list(load_done(str(tmp_path / "out"))) == answered
+
+
+def test_a_server_still_starting_is_waited_for_and_one_never_reached_is_not(tmp_path):
+    """/health answering 503 (starting) is waited for without --server-wait; a refused
+    connection fails at once unless the user asked to wait."""
+    starting = {"now": True}
+
+    async def health(request):
+        return web.Response(status=503 if starting["now"] else 200)
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        nobody = f"http://127.0.0.1:{free_port()}"
+        cfg = CaptureConfig(servers=[url], data="-", out=str(tmp_path), server_wait_s=30)
+        notes = []
+        async with aiohttp.ClientSession() as session:
+            waits = Waits(session, cfg.server_wait_s, Stop(), notes.append)
+            asyncio.get_running_loop().call_later(3, starting.update, {"now": False})
+            t0 = time.monotonic()
+            await reach_servers([url], cfg, waits)
+            waited = time.monotonic() - t0
+            with pytest.raises(ServerUnreachable, match=f"cannot reach {nobody}"):
+                await reach_servers([url, nobody], cfg, waits)
+        await runner.cleanup()
+        return waited, notes
+
+    waited, notes = asyncio.run(main())
+    assert 3 <= waited < 10
+    assert "/health answered HTTP 503" in notes[0] and "is back after" in notes[1], notes

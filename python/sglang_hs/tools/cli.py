@@ -6,6 +6,21 @@ import argparse
 import sys
 
 
+CAPTURE_EPILOG = """\
+servers that do not answer:
+  at start       a server that cannot be reached fails the run at once, naming the URL (a wrong
+                 port or host); give --server-wait to wait that long for one still starting
+  mid-run        a server that stops answering (killed, restarting) is waited for, polling
+                 /health, --server-wait seconds (default 600), then the run stops; the progress
+                 line says which server, why and until when
+  Ctrl-C/SIGTERM answered requests are journaled, waits end at once (those samples stay unsent;
+                 a rerun sends them); a second signal exits at once
+
+exit status: 0 all done; 1 some samples failed (OUT/capture_failed.jsonl) or the run could not
+start; 75 a server stayed away; 130 Ctrl-C; 143 SIGTERM. Rerun the same command to resume.
+"""
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-cpu"]:  # every other argument belongs to the SGLang launcher
@@ -23,7 +38,8 @@ def main(argv=None) -> None:
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     d = sub.add_parser("demo", help="SmolLM2-135M on CPU: serve, export, verify, report")
     d.add_argument("--work-dir", default=".cache")
-    c = sub.add_parser("capture", help="send a chat dataset through exporting servers (resumable)")
+    c = sub.add_parser("capture", help="send a chat dataset through exporting servers (resumable)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=CAPTURE_EPILOG)
     c.add_argument("--server", action="append", required=True, help="server URL (repeat for several)")
     c.add_argument("--data", required=True, help="JSONL file or a datasets.save_to_disk folder")
     c.add_argument("--out", required=True, help="where the capture journal lives (use the export dir)")
@@ -40,8 +56,10 @@ def main(argv=None) -> None:
     c.add_argument("--retries", type=int, default=5)
     c.add_argument("--id-prefix", default="")
     c.add_argument("--limit", type=int, help="only the first N records")
-    c.add_argument("--server-wait", type=float, default=600.0,
-                   help="seconds to wait for a server that stopped answering before the run stops (default 600)")
+    c.add_argument("--server-wait", type=float, metavar="SECONDS",
+                   help="how long a server that does not answer is waited for (default 600 for one that stopped "
+                        "answering mid-run; one that does not answer at start fails the run at once unless this "
+                        "is given)")
     c.add_argument("--allow-new-servers", action="store_true",
                    help="resume with a --server list other than the first run's (samples in flight when the "
                         "last run stopped may be exported twice)")
@@ -84,7 +102,7 @@ def main(argv=None) -> None:
         sys.exit(0 if rep.ok else 1)
     if a.cmd == "capture":
         from sglang_hs.format import SampleIdError
-        from sglang_hs.tools.capture import CaptureConfig, ServersChangedError, capture
+        from sglang_hs.tools.capture import CaptureConfig, ServersChangedError, ServerUnreachable, capture
 
         cfg = CaptureConfig(servers=a.server, data=a.data, out=a.out, tokenizer=a.tokenizer,
                             trust_remote_code=a.trust_remote_code,
@@ -92,13 +110,14 @@ def main(argv=None) -> None:
                             mask_reasoning=a.mask_reasoning, regenerate=a.regenerate,
                             max_new_tokens=a.max_new_tokens, temperature=a.temperature, retries=a.retries,
                             id_prefix=a.id_prefix, limit=a.limit, progress=not a.no_progress,
-                            server_wait_s=a.server_wait, allow_new_servers=a.allow_new_servers)
+                            server_wait_s=600.0 if a.server_wait is None else a.server_wait,
+                            wait_at_start=a.server_wait is not None, allow_new_servers=a.allow_new_servers)
         try:
             summ = capture(cfg)
-        except (SampleIdError, ServersChangedError) as e:
+        except (SampleIdError, ServersChangedError, ServerUnreachable) as e:
             sys.exit(f"sglang-hs capture: {e}")
         print(f"[capture] {summ.line()}")
-        sys.exit(130 if summ.interrupted else (1 if summ.failed else 0))
+        sys.exit(summ.exit_code())
     if a.cmd == "inspect":
         import json
 
