@@ -490,11 +490,11 @@ async def _main(cfg: CaptureConfig) -> Summary:
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
         if stop.signum:  # the second one: the user does not want to wait for answers either
-            _note(f"{name} again: exiting now; requests in flight are abandoned (a rerun resends them)")
+            _note(f"{name}, a second stop signal: exiting now; requests in flight are abandoned (a rerun resends them)")
             os._exit(128 + signum)  # the journal is flushed line by line: nothing is lost
         stop(f"stopped by {name}", signum)
         _note(f"{name}: stopping; answered requests are journaled, waits for servers end (a rerun sends "
-              f"those samples); {name} again exits at once")
+              f"those samples); a second signal exits at once")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
