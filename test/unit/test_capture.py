@@ -229,6 +229,7 @@ def test_a_server_that_stays_away_stops_the_run_and_a_rerun_resumes(tmp_path):
     t0 = time.monotonic()
     s = asyncio.run(_capture(cfg, tok=None))
     assert s.interrupted and "not back within 2 s" in s.stopped_because
+    assert s.exit_code() == 75, "a server that stayed away is EX_TEMPFAIL, not a stop signal's 130"
     assert s.failed == 0 and time.monotonic() - t0 < 30
     assert "rerun to resume" in s.line()
 

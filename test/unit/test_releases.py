@@ -72,7 +72,6 @@ def test_one_writer_shard_per_data_parallel_group(attn_dp_size, attn_dp_rank, dp
     assert r.writer_shard == shard
 
 
-
 def test_installing_sglang_hs_keeps_the_sglang_and_torch_already_installed():
     """`pip install -e .` next to any release of the window finds every dependency already
     satisfied, so it changes nothing: no SGLang or torch downgrade."""
