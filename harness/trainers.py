@@ -1,13 +1,17 @@
-"""SpecForge 0.2.0's own entry points, each run in a child process:
+"""SpecForge 0.2.0's and speculators 0.9.0's own entry points, each run in a child process:
 
     python -m harness.trainers specforge train --config X.yaml [training.KEY=VALUE ...]
     python -m harness.trainers to_sglang --checkpoint RUN --draft-config C.json --output-dir D
+    python -m harness.trainers speculators --data-path D --verifier-name-or-path M [...]
 
 Shims, named so a result can say which applied:
   F1 (no CUDA only): its `LogSoftmaxLoss` is a Triton kernel; the same loss in torch.
   F2 (no `datasets` installed only, the GPU host): SpecForge imports `datasets.Dataset` at
      module level for its online path; the offline path never builds one, so a stub that
      raises if it ever does stands in.
+  S1 (no CUDA only): speculators' Trainer puts the draft and each batch on `get_local_rank()`,
+     an int (cuda:N), and its step timer synchronizes the accelerator; on CPU the device is
+     "cpu" and there is nothing to synchronize.
 The trainers live in .cache/trainers (`make venv`) or wherever SGLANG_HS_TRAINERS points."""
 
 from __future__ import annotations
@@ -42,6 +46,25 @@ def shims_applied(stdout: str) -> List[str]:
     """The shims a child said it applied (F1, F2; see the module docstring)."""
     lines = [ln for ln in stdout.splitlines() if ln.startswith(SHIMS_LINE)]
     return ast.literal_eval(lines[0][len(SHIMS_LINE):]) if lines else []
+
+
+def speculators_cmd(*argv: str) -> List[str]:
+    return [sys.executable, "-m", "harness.trainers", "speculators", *argv]
+
+
+def _speculators_shims() -> List[str]:
+    import torch
+
+    sys.path.append(TRAINERS)
+    applied = []
+    if not torch.cuda.is_available():
+        import speculators.train.trainer as trainer
+
+        trainer.get_local_rank = lambda: "cpu"
+        torch.accelerator.synchronize = lambda *a, **k: None
+        applied.append("S1")
+    print(f"{SHIMS_LINE}{applied}", flush=True)
+    return applied
 
 
 def _shims() -> List[str]:
@@ -83,6 +106,13 @@ if __name__ == "__main__":
     elif cmd == ["to_sglang"]:
         _shims()
         from specforge.export.to_sglang import main
+    elif cmd == ["speculators"]:
+        _speculators_shims()
+        from speculators.train.cli import main as train
+        from speculators.train.config import TrainConfig
+
+        def main(argv):
+            return train(TrainConfig.resolve(argv))
     else:
         sys.exit(__doc__)
     sys.exit(main(argv))

@@ -54,9 +54,37 @@ class RequestOptions:
     # Set by the HTTP process, one per /generate call: tells a request's outcome apart from
     # that of an earlier request with the same rid (e.g. one aborted when its client died).
     call_id: Optional[str] = None
+    # SpecForge's per-request `spec_capture` entry (where its Mooncake objects go), moved here
+    # from the /generate body by the HTTP process; see check_spec_capture.
+    specforge: Optional[Dict[str, Any]] = None
 
 
-_OPTION_KEYS = {"export", "loss_mask", "metadata", "call_id"}
+_OPTION_KEYS = {"export", "loss_mask", "metadata", "call_id", "specforge"}
+
+
+def check_spec_capture(entry: object) -> Dict[str, Any]:
+    """One entry of SpecForge 0.2.0's `spec_capture` request field: store_id, sample_id, gen,
+    replace, features {"aux": name, "last_hidden": name}, passthrough [{name, data, shape,
+    dtype "int64"}]. Returns it; raises RequestOptionsError naming what is wrong."""
+    def bad(why: str):
+        return RequestOptionsError(f"spec_capture entry {why}; got {entry!r:.200}")
+
+    if not isinstance(entry, dict):
+        raise bad("must be an object")
+    for key in ("store_id", "sample_id"):
+        if not isinstance(entry.get(key), str) or not entry[key]:
+            raise bad(f"needs {key} (a non-empty string)")
+    if not isinstance(entry.get("gen"), int) or isinstance(entry.get("gen"), bool) or entry["gen"] < 0:
+        raise bad("needs gen (an integer >= 0)")
+    feats = entry.get("features")
+    if not isinstance(feats, dict) or not feats or set(feats) - {"aux", "last_hidden"} or not all(
+            isinstance(v, str) and v for v in feats.values()):
+        raise bad('needs features {"aux": NAME, "last_hidden": NAME} (either or both)')
+    for p in entry.get("passthrough") or []:
+        if not (isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("data"), list)
+                and isinstance(p.get("shape"), list) and len(p["shape"]) >= 2 and p.get("dtype") == "int64"):
+            raise bad("passthrough items need name, data (a list), shape [1, L, ...] and dtype int64")
+    return entry
 
 
 def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
@@ -74,6 +102,8 @@ def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
     if not isinstance(export, bool):  # bool("false") is True: a string must not mean yes
         raise RequestOptionsError(f"export must be true or false (a JSON boolean); got {export!r:.50}")
     opts = RequestOptions(export=export, call_id=raw.get("call_id"))
+    if raw.get("specforge") is not None:
+        opts.specforge = check_spec_capture(raw["specforge"])
     lm = raw.get("loss_mask")
     if lm is not None:
         if not isinstance(lm, list) or any(v not in (0, 1) or isinstance(v, float) for v in lm):
@@ -93,8 +123,10 @@ def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
 class Outcome:
     """What became of one exported request, from the writer rank to the HTTP process.
 
-    ok: the file is durable and listed in the manifest (path, num_tokens, bytes). aborted:
-    the request was aborted, nothing was written. Otherwise it failed: error, status.
+    ok: the sample is durable in its sink (num_tokens, bytes): for the directory sink, the file
+    is listed in the manifest (path); other sinks give `answer`, what the response hands the
+    trainer (overlay.sinks). aborted: the request was aborted, nothing was written. Otherwise
+    it failed: error, status.
     """
 
     rid: str
@@ -106,6 +138,8 @@ class Outcome:
     bytes: Optional[int] = None
     error: Optional[str] = None
     status: int = 500
+    sink: str = "directory"
+    answer: Optional[Dict[str, Any]] = None
 
     def to_bytes(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -120,8 +154,10 @@ class Outcome:
     def meta_info(self, out_dir: str) -> Optional[dict]:
         """meta_info["hidden_states_export"] of the response; None for an aborted request;
         a failure raises the error /generate answers with."""
-        if self.ok:
+        if self.ok and self.sink == "directory":
             return {"dir": out_dir, "path": self.path, "num_tokens": self.num_tokens, "bytes": self.bytes}
+        if self.ok:
+            return {"sink": self.sink, "num_tokens": self.num_tokens, "bytes": self.bytes, "answer": self.answer}
         if self.aborted:
             return None
         raise ExportError(f"hidden-state export failed: {self.error}", self.status)

@@ -21,6 +21,7 @@ from sglang_hs.format import PROVENANCE_KEY, CaptureProvenance, chat_template_sh
 from sglang_hs.format import Storage, read_export_json
 from sglang_hs.overlay.rows import RequestState, plan_forward, split_rows, storage_planes
 from sglang_hs.overlay.staging import Piece, SlabPool
+from sglang_hs.overlay.sinks import DirectorySink
 from sglang_hs.overlay.writer import SampleWriter
 from sglang_hs.protocol import RequestOptions
 from sglang_hs.tools.convert import (ConvertOptions, ExportDataset, dataset_order, inspect_export, to_specforge,
@@ -65,7 +66,7 @@ def write_export(tiny_path, d, storage=Storage()):
     os.makedirs(d)
     write_test_export_json(d, 64, aux_layer_ids=LAYERS, model_path=tiny_path, num_layers=8,
                            export_dtype=storage.dtype, final_rows=storage.final_rows)
-    w = SampleWriter(d, "dp0", LAYERS, SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None, storage=storage)
+    w = SampleWriter(DirectorySink(d, "dp0", LAYERS, storage), SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None)
     records = [{"messages": c} for c in CHATS] + [{"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 0]}]
     samples = {}
     for i, rec in enumerate(records):
@@ -270,7 +271,7 @@ def test_a_float32_export_trains_with_specforges_bf16_target_head(export, traine
     piece = Piece(planes[:, :-1].contiguous(), planes[:, -1].contiguous(), None)
     split_rows([piece], segs)
     piece.release()
-    w = SampleWriter(d32, "dp0", LAYERS, SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None)
+    w = SampleWriter(DirectorySink(d32, "dp0", LAYERS), SlabPool(1 << 24, slab_bytes=1 << 16), lambda m: None)
     w.submit(st, lambda: False)
     w.close()
     dest = str(tmp_path / "sf32")

@@ -11,6 +11,7 @@ import torch
 
 from sglang_hs.overlay.runtime import ExportRuntime
 from sglang_hs.overlay.staging import SlabPool
+from sglang_hs.overlay.sinks import DirectorySink
 from sglang_hs.overlay.writer import SampleWriter
 
 PROMPT = list(range(100, 110))  # 10 tokens, prefilled in chunks of 4
@@ -20,7 +21,7 @@ H, AUX = 8, [1]
 @pytest.fixture
 def ranks(tmp_path):
     msgs = []
-    writer = SampleWriter(str(tmp_path), "dp0", AUX, SlabPool(1 << 22, slab_bytes=1 << 12), msgs.append, threads=1)
+    writer = SampleWriter(DirectorySink(str(tmp_path), "dp0", AUX), SlabPool(1 << 22, slab_bytes=1 << 12), msgs.append, threads=1)
     yield ExportRuntime(AUX, writer, "dp0-tp0"), ExportRuntime(AUX, None, "dp0-tp1"), msgs
     writer.close()
 
@@ -172,8 +173,8 @@ def test_every_prompt_position_lands_once_and_every_slab_comes_back(data, length
                                export_dtype=export_dtype, final_rows=final_rows)
         outcomes = []
         row_bytes = (len(K_AUX) + 1) * H * 4
-        writer = SampleWriter(d, "dp0", K_AUX, SlabPool(1 << 24, slab_bytes=slab_rows * row_bytes), outcomes.append,
-                              threads=2, storage=storage)
+        writer = SampleWriter(DirectorySink(d, "dp0", K_AUX, storage), SlabPool(1 << 24, slab_bytes=slab_rows * row_bytes),
+                              outcomes.append, threads=2)
         ranks = [ExportRuntime(K_AUX, writer, "tp0"), ExportRuntime(K_AUX, None, "tp1")]
         aborted = [False] * len(lengths)
         prompts = [list(range(1000 * i, 1000 * i + n)) for i, n in enumerate(lengths)]

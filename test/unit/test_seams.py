@@ -36,6 +36,8 @@ EXPECTED_PARAMS = {
         ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"],
     "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request": ["self", "obj", "request"],
     "sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments": ["self"],
+    "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response":
+        ["self", "request", "ret", "created"],
     "sglang.srt.managers.scheduler.Scheduler.release_host_resources": ["self"],
     "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler":
         ["cls", "backend_name"],
@@ -81,7 +83,7 @@ def test_only_seams_and_releases_import_sglang_internals():
 def test_the_wheel_holds_the_two_sides_and_not_the_dev_harness():
     pkg = os.path.join(HERE, "..", "..", "python", "sglang_hs")
     assert sorted(n for n in os.listdir(pkg) if not n.startswith("__")) == [
-        "data", "format.py", "overlay", "protocol.py", "tools"]
+        "data", "format.py", "layouts.py", "overlay", "protocol.py", "tools"]
     import harness
 
     assert "python" not in harness.__file__.split(os.sep)

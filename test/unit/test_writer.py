@@ -7,6 +7,7 @@ from harness.fixtures import write_test_export_json
 from sglang_hs.format import read_manifest, validate_export
 from sglang_hs.overlay.rows import RequestState, plan_forward, split_rows
 from sglang_hs.overlay.staging import Piece, SlabPool
+from sglang_hs.overlay.sinks import DirectorySink
 from sglang_hs.overlay.writer import SampleWriter
 from sglang_hs.protocol import Outcome, RequestOptions
 
@@ -36,7 +37,7 @@ def submit(w, st, aborted=lambda: False):
 def make_writer(d, budget=None):
     msgs = []
     write_test_export_json(d, H)
-    w = SampleWriter(d, "dp0", [2, 5, 7], budget or SlabPool(1 << 30, slab_bytes=1 << 16), msgs.append, threads=2)
+    w = SampleWriter(DirectorySink(d, "dp0", [2, 5, 7]), budget or SlabPool(1 << 30, slab_bytes=1 << 16), msgs.append, threads=2)
     return w, msgs
 
 
@@ -96,9 +97,9 @@ def test_io_error_fails_that_sample_and_the_writer_goes_on(tmp_path):
 
 
 def test_shards_hold_at_most_files_per_shard(tmp_path, monkeypatch):
-    import sglang_hs.overlay.writer as wmod
+    import sglang_hs.overlay.sinks as sinks
 
-    monkeypatch.setattr(wmod, "FILES_PER_SHARD", 3)
+    monkeypatch.setattr(sinks, "FILES_PER_SHARD", 3)
     d = str(tmp_path)
     w, _ = make_writer(d)
     for i in range(7):

@@ -12,7 +12,13 @@ import time
 from typing import List, Optional, Sequence, Set
 
 from sglang_hs.format import check_sample_id
-from sglang_hs.protocol import REQUEST_KEY, DuplicateSampleError, RequestOptionsError, parse_request_options
+from sglang_hs.protocol import (
+    REQUEST_KEY,
+    DuplicateSampleError,
+    RequestOptionsError,
+    check_spec_capture,
+    parse_request_options,
+)
 
 
 @dataclasses.dataclass
@@ -42,15 +48,42 @@ def check_input_ids(input_ids, vocab_size: int) -> None:
                                       f"[0, {vocab_size})")
 
 
+def take_spec_capture(obj, body: object) -> None:
+    """Move SpecForge's `spec_capture` (one entry per prompt of a /generate body) into each
+    entry's export options (`custom_params["sglang_hs"]["specforge"]`), giving a batch that
+    shared one sampling-params dict a copy per entry. A body without it is left alone."""
+    entries = body.get("spec_capture") if isinstance(body, dict) else None
+    if entries is None:
+        return
+    batch = isinstance(obj.input_ids, list) and bool(obj.input_ids) and isinstance(obj.input_ids[0], list)
+    n = len(obj.input_ids) if batch else 1
+    entries = entries if isinstance(entries, list) else [entries]
+    if len(entries) != n:
+        raise RequestOptionsError(f"spec_capture has {len(entries)} entries for {n} prompts (input_ids): send one "
+                                  "per prompt")
+    params = obj.sampling_params
+    if batch:
+        params = [dict(p) for p in params] if isinstance(params, list) else [dict(params or {}) for _ in range(n)]
+    else:
+        params = [dict(params or {})]
+    for sp, entry in zip(params, entries):
+        cp = dict(sp.get("custom_params") or {})
+        cp[REQUEST_KEY] = {**(cp.get(REQUEST_KEY) or {}), "specforge": check_spec_capture(entry)}
+        sp["custom_params"] = cp
+    obj.sampling_params = params if batch else params[0]
+
+
 def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_num: int,
           has_input_embeds: bool, exported: Set[str], call_id: str,
-          skip_prefix: Optional[str] = None, need_loss_mask: bool = False) -> Admission:
+          skip_prefix: Optional[str] = None, need_loss_mask: bool = False, sink: str = "directory") -> Admission:
     """Validate one normalised /generate call and tag each exported entry with `call_id`.
 
     rids: one per entry; sampling_params: one dict per entry (a batch that shared one dict
     lists it once per entry, the same object); exported: ids already in the manifest.
     An entry is exported unless it opts out (`"export": false`) or is SGLang's own health
-    check (`skip_prefix`), which the schedulers skip too. Each error carries its HTTP status.
+    check (`skip_prefix`), which the schedulers skip too. On a server whose sink is
+    `specforge`, only entries that carry SpecForge's `spec_capture` are exported (they say
+    where to); elsewhere such an entry is refused. Each error carries its HTTP status.
     """
     options = [parse_request_options(sp.get("custom_params")) for sp in sampling_params]
     if parallel_sample_num > 1:
@@ -69,6 +102,11 @@ def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_
     for i, (rid, opts) in enumerate(zip(rids, options)):
         if not opts.export or (skip_prefix and str(rid).startswith(skip_prefix)):
             continue
+        if (opts.specforge is not None) != (sink == "specforge"):
+            if opts.specforge is None:
+                continue  # a specforge server exports what SpecForge asks it to
+            raise RequestOptionsError(f"request {rid!r} carries spec_capture, but this server hands samples to "
+                                      f"'{sink}': start it with --export-sink specforge for SpecForge")
         if has_input_embeds:
             raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
         check_sample_id(rid)
@@ -108,4 +146,6 @@ async def hold_until_durable(out, adm: Admission, waiter, out_dir: str) -> None:
         info = outcome.meta_info(out_dir)
         if info is not None:
             mi["hidden_states_export"] = {**info, "held_ms": round(1000 * (time.perf_counter() - t0), 1)}
+            if outcome.sink == "specforge":  # where SpecForge's capture adapter reads its result
+                mi["spec_capture"] = outcome.answer
 

@@ -37,14 +37,58 @@ class ExportConfig:
     # --export-dtype (None: the model's dtype) and --export-final-rows (format.Storage).
     export_dtype: Optional[str] = None
     final_rows: str = "all"
+    # --export-sink (overlay.sinks.SINKS) and, for the Mooncake sinks, where the store is.
+    sink: str = "directory"
+    mooncake_master: str = "127.0.0.1:50051"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
+    mooncake_segment_bytes: int = 4 << 30
 
     @property
     def storage(self) -> Storage:
         return Storage(self.export_dtype, self.final_rows)
 
+    @property
+    def mooncake(self) -> "MooncakeSettings":
+        return MooncakeSettings(master=self.mooncake_master, protocol=self.mooncake_protocol,
+                                device=self.mooncake_device, segment_bytes=self.mooncake_segment_bytes)
+
     @staticmethod
     def new_notify_addr() -> str:
         return f"ipc://{tempfile.gettempdir()}/sglang-hs-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+# Where samples go (--export-sink; overlay/sinks.py builds each).
+SINKS = ("directory", "speculators-file", "speculators-fp8", "speculators-mooncake", "specforge")
+
+
+@dataclasses.dataclass(frozen=True)
+class MooncakeSettings:
+    """How a writer rank joins a Mooncake store (the settings hs-connectors and SpecForge take)."""
+
+    master: str = "127.0.0.1:50051"
+    protocol: str = "tcp"
+    device: str = ""
+    segment_bytes: int = 4 << 30
+    local_buffer_bytes: int = 512 << 20
+    metadata_server: str = "P2PHANDSHAKE"
+    # Address the other clients reach this process at (Mooncake's own variable, as hs-connectors reads it).
+    hostname: str = dataclasses.field(default_factory=lambda: os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"))
+
+
+def speculators_default_layer_ids(num_layers: int) -> Tuple[int, ...]:
+    """The aux ids a speculators 0.9.0 draft assumes unless given `--target-layer-ids`
+    (`speculators.models.utils.resolve_target_layer_ids`), HF numbering."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_sink(sink: str, export_dtype: Optional[str], final_rows: str) -> None:
+    """A sink other than the directory writes its trainer's own layout from full-precision
+    rows at every position."""
+    if sink != "directory" and (export_dtype is not None or final_rows != "all"):
+        raise ExportConfigError(
+            f"--export-sink {sink} writes {sink.split('-')[0]}'s own layout (speculators-fp8 is the fp8 one): "
+            "drop --export-dtype and --export-final-rows, which shape the directory's files only.")
 
 
 def check_out_dir(path: str) -> str:

@@ -32,12 +32,15 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 from sglang_hs.format import check_compatible, read_export_json, repair_export, write_export_json
 from sglang_hs.overlay import releases
 from sglang_hs.overlay.config import (
+    SINKS,
     ExportConfig,
     ExportConfigError,
     check_aux_layer_ids,
     check_out_dir,
+    check_sink,
     export_info,
     is_writer_rank,
+    speculators_default_layer_ids,
 )
 
 logger = logging.getLogger("sglang_hs")
@@ -128,6 +131,20 @@ def add_cli_args(result, parser):
     g.add_argument("--platform-preset", type=str, default=None, metavar="NAME",
                    help="Environment variables (NCCL) and server flags for one kind of machine, from "
                         "sglang_hs/data/presets.json (sm120-pcie-tp8, hopper-nvlink); what you set or give wins.")
+    g.add_argument("--export-sink", choices=list(SINKS), default="directory",
+                   help="Where samples go: the export directory (default); or straight to a trainer's online "
+                        "mode: speculators-file / speculators-fp8 (files in DIR/handoff/ that the trainer deletes "
+                        "once read), speculators-mooncake, specforge (its spec_capture requests, into Mooncake). "
+                        "See docs/online-training.md.")
+    g.add_argument("--export-mooncake-master", default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="The Mooncake master of the Mooncake sinks (default 127.0.0.1:50051). The writer's "
+                        "own address is MOONCAKE_LOCAL_HOSTNAME (default 127.0.0.1).")
+    g.add_argument("--export-mooncake-protocol", choices=["tcp", "rdma"], default="tcp")
+    g.add_argument("--export-mooncake-device", default="", metavar="NAME",
+                   help="RDMA device(s) for Mooncake, e.g. mlx5_0 (default: Mooncake chooses).")
+    g.add_argument("--export-mooncake-segment-gib", type=float, default=4.0, metavar="GIB",
+                   help="Memory the writer lends the Mooncake store; it must hold the samples trainers have "
+                        "not read yet (default 4).")
     g.add_argument("--export-allow-untested-model", action="store_true",
                    help="Export a model class whose layer ids read back right but whose export sglang-hs "
                         "has not compared with Hugging Face (see the README's family table).")
@@ -197,6 +214,18 @@ def _check_startup(server_args, args) -> ExportConfig:
 
         mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
         ids = check_aux_layer_ids(args.export_aux_layer_ids, mc.num_hidden_layers)
+    check_sink(args.export_sink, args.export_dtype, args.export_final_rows)
+    if args.export_sink != "directory":
+        _check_sink_imports(args.export_sink)
+    if args.export_sink.startswith("speculators") and ids is None:
+        # speculators' payload carries no layer ids: capture what its draft assumes unless told.
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
+        ids = check_aux_layer_ids(speculators_default_layer_ids(mc.num_hidden_layers), mc.num_hidden_layers)
+    elif args.export_sink.startswith("speculators"):
+        logger.warning("sglang-hs: --export-aux-layer-ids %s: speculators' payload carries no layer ids, so train "
+                       "with `speculators train ... --target-layer-ids %s`", list(ids), " ".join(map(str, ids)))
     existing = read_export_json(out_dir)
     if existing is not None:
         new = {"model_path": server_args.model_path, "export_dtype": args.export_dtype,
@@ -224,7 +253,26 @@ def _check_startup(server_args, args) -> ExportConfig:
         allow_untested_model=args.export_allow_untested_model,
         export_dtype=args.export_dtype,
         final_rows=args.export_final_rows,
+        sink=args.export_sink,
+        mooncake_master=args.export_mooncake_master,
+        mooncake_protocol=args.export_mooncake_protocol,
+        mooncake_device=args.export_mooncake_device,
+        mooncake_segment_bytes=int(args.export_mooncake_segment_gib * (1 << 30)),
     )
+
+
+def _check_sink_imports(sink: str) -> None:
+    """Fail at start-up, not at the first sample, when a sink's producer code is missing."""
+    need = {"speculators-mooncake": ("hs_connectors", "mooncake.store"), "specforge": ("mooncake.store",)}
+    for mod in need.get(sink, ()):
+        try:
+            __import__(mod)
+        except ImportError as e:
+            raise ExportConfigError(
+                f"--export-sink {sink} needs the Python module {mod} ({e}): pip install "
+                + ("hs-connectors==0.9.0 --no-deps" if mod == "hs_connectors" else
+                   "mooncake-transfer-engine (GPU hosts) or mooncake-transfer-engine-non-cuda (CPU), and on Debian "
+                   "apt-get install libibverbs1 libnl-3-200 libnl-route-3-200")) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -330,8 +378,22 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids, sha
     else:
         check_compatible(existing, info)
     pool = SlabPool(cfg.host_buffer_bytes, pin=str(runner.device).startswith("cuda"))
-    return SampleWriter(cfg.out_dir, shard, ids, pool,
-                        Notifier(cfg.notify_addr), threads=cfg.writer_threads, storage=cfg.storage)
+    return SampleWriter(_make_sink(cfg, sa.model_path, ids, shard), pool, Notifier(cfg.notify_addr),
+                        threads=cfg.writer_threads)
+
+
+def _make_sink(cfg: ExportConfig, model_path: str, ids, shard: str):
+    from sglang_hs.layouts import final_norm_weight
+    from sglang_hs.overlay import sinks
+
+    if cfg.sink == "directory":
+        return sinks.DirectorySink(cfg.out_dir, shard, ids, cfg.storage)
+    if cfg.sink == "specforge":  # SpecForge numbers aux layers one lower (see convert.eagle3_draft_config)
+        return sinks.SpecForgeSink(cfg.mooncake, [i - 1 for i in ids])
+    w = final_norm_weight(model_path)
+    if cfg.sink == "speculators-mooncake":
+        return sinks.SpeculatorsMooncakeSink(cfg.mooncake, w)
+    return sinks.HandoffSink(cfg.out_dir, ids, w, fp8=cfg.sink == "speculators-fp8")
 
 
 def _numerics(sa, runner) -> dict:
@@ -543,7 +605,7 @@ def admit_generate_request(result, self):
     params = [self.sampling_params] * count if isinstance(self.sampling_params, dict) else self.sampling_params
     adm = admit(rids, params, self.parallel_sample_num, self.input_embeds is not None, waiter.exported,
                 uuid.uuid4().hex, skip_prefix=HEALTH_CHECK_RID_PREFIX,
-                need_loss_mask=cfg.final_rows == "loss")
+                need_loss_mask=cfg.final_rows == "loss", sink=cfg.sink)
     waiter.admit(adm.rids)
     self._sglang_hs = adm
     return None
@@ -556,17 +618,21 @@ async def generate_request(original, self, obj, request=None):
 
     Why: hold each exported request's final response until its sample is durable, adding
     meta_info["hidden_states_export"], or answer with the write's error for that request
-    only; free the call's rids when it ends. Upstream PR: a response hook for plugins.
-    Remove with it.
+    only; free the call's rids when it ends. On a `specforge` sink, first move the /generate
+    body's `spec_capture` entries (a field SGLang's request type drops) into each entry's
+    export options, where admission reads them. Upstream PR: request and response hooks for
+    plugins. Remove with it.
     """
     cfg = config()
     if cfg is None:
         async for out in original(self, obj, request):
             yield out
         return
-    from sglang_hs.overlay.admission import check_input_ids, hold_until_durable
+    from sglang_hs.overlay.admission import check_input_ids, hold_until_durable, take_spec_capture
 
     check_input_ids(getattr(obj, "input_ids", None), self.model_config.vocab_size)
+    if cfg.sink == "specforge" and request is not None and hasattr(request, "json"):
+        take_spec_capture(obj, await request.json())  # the body Starlette has already read and parsed
     waiter = _http_waiter(cfg)
     try:
         async for out in original(self, obj, request):
@@ -578,6 +644,27 @@ async def generate_request(original, self, obj, request=None):
         adm = obj.__dict__.get("_sglang_hs")
         if adm is not None:
             waiter.release(adm.rids, adm.call_id, adm.unclaimed)
+
+
+@seam("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",
+      HookType.AROUND)
+def completion_kv_transfer_params(original, self, request, ret, created):
+    """Target: OpenAIServingCompletion._build_completion_response (the non-streaming
+    /v1/completions answer, built from generate_request's outputs).
+
+    Why: speculators' online trainer (hs-connectors 0.9.0) reads where its sample is from a
+    top-level `kv_transfer_params` of the completion, as vLLM answers it; SGLang's
+    CompletionResponse has no such field. For a one-prompt completion whose sample went to
+    a trainer's sink, answer the same body plus that field. Upstream PR: a response hook
+    for plugins (or a pass-through field for connector results). Remove with it.
+    """
+    response = original(self, request, ret, created)
+    info = ret[0].get("meta_info", {}).get("hidden_states_export") if len(ret) == 1 else None
+    if not info or info.get("answer") is None or info.get("sink", "").startswith("specforge"):
+        return response
+    from fastapi.responses import ORJSONResponse
+
+    return ORJSONResponse({**response.model_dump(mode="json"), "kv_transfer_params": info["answer"]})
 
 
 def seam_targets() -> List[str]:

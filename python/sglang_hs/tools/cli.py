@@ -84,6 +84,17 @@ def main(argv=None) -> None:
                    help="loss-mask convention (default: the trainer's own: specforge turns+separator, "
                         "speculators last-turn+separator); captured keeps the masks as exported")
     k.add_argument("--trust-remote-code", action="store_true", help="the tokenizer is remote code (Kimi-K2.5)")
+    x = sub.add_parser("index", help="speculators' dataset index for its online mode (rows only; the server "
+                                     "streams each row's states)")
+    x.add_argument("--to", choices=["speculators"], required=True)
+    x.add_argument("--data", required=True, help="records (JSONL), as for capture")
+    x.add_argument("--model", required=True, help="the target checkpoint (its tokenizer and chat template)")
+    x.add_argument("dest")
+    x.add_argument("--loss-mask", choices=list(MASK_RULES), help="default: speculators' own, last-turn+separator")
+    x.add_argument("--max-length", type=int, help="keep the first N tokens of each sample (as capture --max-length)")
+    x.add_argument("--aux-layer-ids", type=int, nargs="+", metavar="K",
+                   help="the server's --export-aux-layer-ids when given: printed as the trainer's --target-layer-ids")
+    x.add_argument("--trust-remote-code", action="store_true")
     a = p.parse_args(argv)
     if a.cmd == "verify":
         from sglang_hs.tools.verify import verify_export
@@ -173,6 +184,15 @@ def main(argv=None) -> None:
         except ValueError as e:
             sys.exit(f"sglang-hs convert: {e}")
         print(rep.line())
+        return
+    if a.cmd == "index":
+        from sglang_hs.tools.online import speculators_index
+
+        try:
+            rep = speculators_index(a.data, a.model, a.dest, a.loss_mask, a.max_length, a.trust_remote_code)
+        except ValueError as e:
+            sys.exit(f"sglang-hs index: {e}")
+        print("\n".join(rep.lines(a.model, a.aux_layer_ids)))
         return
     if a.cmd == "demo":
         from sglang_hs.tools.demo import run_demo

@@ -13,12 +13,9 @@
   a `datasets.save_to_disk` folder with `input_ids`, `loss_mask`, `seq_len` (torch format),
   `hidden_states/hs_{i}.safetensors` for its row i (`hidden_states` [T, K+1, H], `token_ids`
   [T]), and `token_freq.pt` (token id -> count over loss-masked tokens), from which it builds
-  the draft vocabulary. speculators applies the model's final norm to the last layer itself;
-  our final state is already normed. We write instead the pre-image `final / norm.weight`,
-  whose RMS is 1, so the norm speculators applies gives back the exported post-norm state (up
-  to the norm's epsilon). That needs the model's final norm weight (`--model`), and is
-  recorded in each file's metadata ("last_layer": "prenorm_preimage"). It is not the
-  runtime's own pre-norm residual, which SGLang does not expose.
+  the draft vocabulary. The last plane is the final state's pre-image (`sglang_hs.layouts`,
+  which needs the model's final norm weight, `--model`), recorded in each file's metadata
+  ("last_layer": "prenorm_preimage").
 
 Loss masks follow each trainer's own convention by default (masks.MASK_RULES); a mask is
 rewritten only where the sample's provenance says `capture` made it from the chat template.
@@ -32,7 +29,7 @@ import glob
 import json
 import os
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -45,10 +42,10 @@ from sglang_hs.format import (
     final_at_every_position,
     iter_samples,
     load_sample,
-    quantize_rows,
     read_export_json,
     sample_metadata,
 )
+from sglang_hs.layouts import SPECULATORS_LAST_LAYER, final_norm_weight, speculators_fp8_planes, speculators_planes
 from sglang_hs.tools.masks import MASK_RULES, apply_mask_rule, separator_ids
 
 SPECFORGE_GROUP = 2000
@@ -308,48 +305,43 @@ def _write_specforge_yaml(dest: str, info: dict, target: str, lm_head_key: str, 
         f.write("\n".join(lines) + "\n")
 
 
-def final_norm_weight(model_path: str) -> torch.Tensor:
-    """The final RMSNorm weight (`model.norm.weight`) from a HF safetensors checkpoint."""
-    for f in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
-        with safe_open(f, framework="pt") as st:
-            for key in st.keys():
-                if key in ("model.norm.weight", "model.language_model.norm.weight"):
-                    return st.get_tensor(key)
-    raise ValueError(f"no model.norm.weight in {model_path}/*.safetensors")
+def write_speculators_index(dest: str, rows: Sequence[Tuple[List[int], List[int]]]) -> None:
+    """speculators' dataset index in `dest`: a `datasets.save_to_disk` table (`input_ids`,
+    `loss_mask`, `seq_len`, torch format; row i is `hidden_states/hs_{i}` or, online, the
+    sample asked for) and `token_freq.pt`, the loss-masked token counts (an int -> int dict,
+    as its own prepare-data writes) its draft vocabulary is built from."""
+    from datasets import Dataset
+
+    freq: collections.Counter = collections.Counter()
+    for ids, mask in rows:
+        freq.update(t for t, m in zip(ids, mask) if m)
+    table = Dataset.from_dict({"input_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
+                               "seq_len": [len(r[0]) for r in rows]})
+    table.set_format(type="torch")
+    table.save_to_disk(dest)
+    torch.save(dict(freq), os.path.join(dest, "token_freq.pt"))
 
 
 def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions()) -> ConvertReport:
-    from datasets import Dataset
-
     ds = ExportDataset(out_dir)
     model = opts.model_path or ds.info["model_path"]
-    w = final_norm_weight(model).float()
-    if bool((w == 0).any()):
-        raise ValueError("the final norm has zero weights: the post-norm state cannot be mapped to a pre-image")
+    w = final_norm_weight(model)
     rule = opts.loss_mask or DEFAULT_MASK_RULE["speculators"]
     rep = ConvertReport("speculators", dest, len(ds), rule)
     masks = _Masks(ds, rule, opts, rep)
     _fresh(dest)
     hs_dir = os.path.join(dest, "hidden_states")
     os.makedirs(hs_dir)
-    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    freq: collections.Counter = collections.Counter()
+    rows = []
     for idx in range(len(ds)):
         t = ds[idx]
         ids, mask = t["token_ids"].long(), masks(idx, t)
         save_file({**_speculators_planes(ds, idx, t, w), "token_ids": ids},
                   os.path.join(hs_dir, f"hs_{idx}.safetensors"),
-                  metadata={"id": ds.entries[idx]["id"], "last_layer": "prenorm_preimage",
+                  metadata={"id": ds.entries[idx]["id"], "last_layer": SPECULATORS_LAST_LAYER,
                             "aux_layer_ids": json.dumps(ds.info["aux_layer_ids"])})
-        rows["input_ids"].append(ids.tolist())
-        rows["loss_mask"].append(mask.tolist())
-        rows["seq_len"].append(int(ids.numel()))
-        freq.update(ids[mask.bool()].tolist())
-    table = Dataset.from_dict(rows)
-    table.set_format(type="torch")
-    table.save_to_disk(dest)
-    # speculators' own prepare-data counts loss-masked tokens into a dict of int -> int.
-    torch.save(dict(freq), os.path.join(dest, "token_freq.pt"))
+        rows.append((ids.tolist(), mask.tolist()))
+    write_speculators_index(dest, rows)
     backend = " --hidden-states-backend fp8" if ds.storage.scaled else ""
     rep.notes.append(f"train: python -m speculators.train --data-path {dest}{backend} "
                      f"--verifier-name-or-path {model} --draft-vocab-size N")
@@ -358,20 +350,14 @@ def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOption
 
 
 def _speculators_planes(ds: ExportDataset, idx: int, t: Dict[str, torch.Tensor], w: torch.Tensor):
-    """`hidden_states` [T, K+1, H]: the aux planes, then the final state's pre-image (see the
-    module docstring; zeros where the export kept no final row). An fp8 export stays fp8 in
-    speculators' own fp8 layout (its `--hidden-states-backend fp8` reads `hidden_states` with
-    `hidden_states_scales` and multiplies them), with our scale per row and plane [T, K+1, 1]:
-    the aux planes pass through as stored, the pre-image is quantized the same way."""
+    """`hidden_states` [T, K+1, H] (layouts.speculators_planes; zeros where the export kept no
+    final row). An fp8 export stays fp8 in speculators' own fp8 layout: the aux planes pass
+    through as stored, the pre-image is quantized the same way."""
     final = final_at_every_position(t)
-    pre = final.float() / w
     if not ds.storage.scaled:
-        return {"hidden_states": torch.cat([t["aux_hidden_states"], pre.to(final.dtype)[:, None]], dim=1).contiguous()}
+        return speculators_planes(t["aux_hidden_states"], final, w)
     raw = ds.raw(idx)
-    q_pre, s_pre = quantize_rows(pre)
-    return {"hidden_states": torch.cat([raw["aux_hidden_states"], q_pre[:, None]], dim=1).contiguous(),
-            "hidden_states_scales": torch.cat([raw["aux_hidden_states_scale"], s_pre[:, None]], dim=1)[..., None]
-            .contiguous()}
+    return speculators_fp8_planes(raw["aux_hidden_states"], raw["aux_hidden_states_scale"], final, w)
 
 
 def _write_index(dest: str, ds: ExportDataset, layout: str, rule: str) -> None:
