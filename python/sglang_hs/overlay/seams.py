@@ -618,9 +618,9 @@ async def generate_request(original, self, obj, request=None):
 
     Why: hold each exported request's final response until its sample is durable, adding
     meta_info["hidden_states_export"], or answer with the write's error for that request
-    only; free the call's rids when it ends. On a `specforge` sink, first move the /generate
-    body's `spec_capture` entries (a field SGLang's request type drops) into each entry's
-    export options, where admission reads them. Upstream PR: request and response hooks for
+    only; free the call's rids when it ends. First move a /generate body's `spec_capture`
+    entries (SpecForge's field, which SGLang's request type drops) into each entry's export
+    options, where admission takes them (or refuses them on a server of another sink). Upstream PR: request and response hooks for
     plugins. Remove with it.
     """
     cfg = config()
@@ -631,7 +631,8 @@ async def generate_request(original, self, obj, request=None):
     from sglang_hs.overlay.admission import check_input_ids, hold_until_durable, take_spec_capture
 
     check_input_ids(getattr(obj, "input_ids", None), self.model_config.vocab_size)
-    if cfg.sink == "specforge" and request is not None and hasattr(request, "json"):
+    if request is not None and getattr(request, "method", None) in ("POST", "PUT") and \
+            request.url.path.endswith("/generate"):
         take_spec_capture(obj, await request.json())  # the body Starlette has already read and parsed
     waiter = _http_waiter(cfg)
     try:
