@@ -14,6 +14,11 @@ STAMP := $(VENV)/.installed
 # cuda-tile==1.6.0rc5, which PyPI serves only as a stub that fails to build; their files
 # hold cuda-tile 1.7.0). Each SGLang pins its own torch; sglang-hs pins none.
 CONSTRAINTS := constraints/sglang-$(SGLANG).txt
+# The streaming sinks' producer code, in the runtime's venv: hs-connectors (speculators'
+# transport, its own Mooncake producer) and Mooncake's client and master (the non-CUDA wheel
+# runs over TCP on any machine; it loads three Debian libraries even for TCP, see MOONCAKE_LIBS).
+STREAMING := hs-connectors==0.9.0 mooncake-transfer-engine-non-cuda==0.3.13.post1
+MOONCAKE_LIBS := libibverbs1 libnl-3-200 libnl-route-3-200
 # A constraints file may say how pip must fetch it ("# pip-args: ..." on its first lines).
 PIP_ARGS = $(shell sed -n 's/^# pip-args: //p' $(CONSTRAINTS))
 # The trainers whose own loaders read our converted output in the tests, at the versions we
@@ -38,7 +43,11 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install $(PIP_ARGS) --no-deps -r $(CONSTRAINTS)
+	$(BIN)/pip install -q --no-deps $(STREAMING)
 	$(BIN)/pip install -q --no-deps -e .
+	@ldconfig -p | grep -q libnl-route-3.so.200 && ldconfig -p | grep -q libibverbs.so.1 || \
+		{ [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq $(MOONCAKE_LIBS); } || \
+		{ echo "Mooncake needs the Debian packages $(MOONCAKE_LIBS): apt-get install them (as root)" >&2; exit 1; }
 	touch $(STAMP)
 
 $(TRAINERS_STAMP): Makefile | $(STAMP)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_hs.overlay.admission import Admission, admit, hold_until_durable
+from sglang_hs.overlay.admission import Admission, admit, hold_until_durable, take_spec_capture
 from sglang_hs.protocol import (
     REQUEST_KEY,
     DuplicateSampleError,
@@ -184,3 +184,43 @@ def test_shapes_that_are_not_token_ids_are_left_to_sglang():
 
     for x in (None, "text", [], [["a"]], ["x", 1], 7):
         check_input_ids(x, 50)
+
+
+SPEC = {"store_id": "run", "sample_id": "run:t0", "gen": 1, "replace": False,
+        "features": {"aux": "hidden_state", "last_hidden": "target"},
+        "passthrough": [{"name": "input_ids", "data": [5, 6], "shape": [1, 2], "dtype": "int64"}]}
+
+
+class Body:
+    """What take_spec_capture reads of a GenerateReqInput before SGLang normalises it."""
+
+    def __init__(self, input_ids, sampling_params):
+        self.input_ids, self.sampling_params = input_ids, sampling_params
+
+
+def test_spec_capture_moves_into_each_entry_of_a_batch_that_shared_one_params_dict():
+    shared = {"max_new_tokens": 0}
+    obj = Body([[5, 6], [7, 8]], shared)
+    take_spec_capture(obj, {"spec_capture": [SPEC, {**SPEC, "sample_id": "run:t1"}]})
+    assert [sp["custom_params"][REQUEST_KEY]["specforge"]["sample_id"] for sp in obj.sampling_params] == \
+        ["run:t0", "run:t1"]
+    assert shared == {"max_new_tokens": 0}  # the caller's dict is not written into
+    adm = admit(["a", "b"], obj.sampling_params, 1, False, set(), "c1", sink="specforge")
+    assert adm.rids == ["a", "b"]
+
+
+def test_spec_capture_is_checked_and_counted():
+    with pytest.raises(RequestOptionsError, match="2 prompts"):
+        take_spec_capture(Body([[5, 6], [7, 8]], {}), {"spec_capture": [SPEC]})
+    with pytest.raises(RequestOptionsError, match="gen"):
+        take_spec_capture(Body([5, 6], {}), {"spec_capture": {**SPEC, "gen": "1"}})
+    obj = Body([5, 6], None)
+    take_spec_capture(obj, {"input_ids": [5, 6]})  # no spec_capture: untouched
+    assert obj.sampling_params is None
+
+
+def test_only_a_specforge_server_takes_spec_capture_and_it_exports_nothing_else():
+    asked = [{"custom_params": {REQUEST_KEY: {"specforge": SPEC}}}]
+    with pytest.raises(RequestOptionsError, match="--export-sink specforge"):
+        admit(["a"], asked, 1, False, set(), "c1", sink="directory")
+    assert admit(["a"], [{}], 1, False, set(), "c1", sink="specforge").rids == []
