@@ -32,23 +32,17 @@ import time
 from importlib import resources
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = os.path.join(REPO, ".cache", "trainers")
 sys.path.insert(0, REPO)
 
-from harness.trainers import shims_applied, specforge_cmd, specforge_steps  # noqa: E402
+from harness.trainers import shims_applied, specforge_cmd, specforge_steps, speculators_shims  # noqa: E402
 
 
 def run_speculators(argv, metrics_path):
-    """In a child process: speculators' own trainer CLI with shims S1 and S2."""
-    import torch
-
-    sys.path.append(TRAINERS)
-    torch.accelerator.synchronize = lambda *a, **k: None  # S2
+    """In a child process: speculators' own trainer CLI with shims S1 and S2 (harness.trainers)."""
+    speculators_shims()
     import speculators.train.cli as cli
-    import speculators.train.trainer as trainer
     from speculators.train.config import TrainConfig
 
-    trainer.get_local_rank = lambda: "cpu"  # S1
     setup = cli.setup_metric_logger
 
     class Record(logging.Handler):  # its metrics are dicts on the "speculators.metrics" logger

@@ -10,8 +10,8 @@ Shims, named so a result can say which applied:
      module level for its online path; the offline path never builds one, so a stub that
      raises if it ever does stands in.
   S1 (no CUDA only): speculators' Trainer puts the draft and each batch on `get_local_rank()`,
-     an int (cuda:N), and its step timer synchronizes the accelerator; on CPU the device is
-     "cpu" and there is nothing to synchronize.
+     an int (cuda:N); on CPU that device is "cpu".
+  S2 (no CUDA only): its step timer calls `torch.accelerator.synchronize`; a no-op on CPU.
 The trainers live in .cache/trainers (`make venv`) or wherever SGLANG_HS_TRAINERS points."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def speculators_cmd(*argv: str) -> List[str]:
     return [sys.executable, "-m", "harness.trainers", "speculators", *argv]
 
 
-def _speculators_shims() -> List[str]:
+def speculators_shims() -> List[str]:
     import torch
 
     sys.path.append(TRAINERS)
@@ -62,7 +62,7 @@ def _speculators_shims() -> List[str]:
 
         trainer.get_local_rank = lambda: "cpu"
         torch.accelerator.synchronize = lambda *a, **k: None
-        applied.append("S1")
+        applied += ["S1", "S2"]
     print(f"{SHIMS_LINE}{applied}", flush=True)
     return applied
 
@@ -107,7 +107,7 @@ if __name__ == "__main__":
         _shims()
         from specforge.export.to_sglang import main
     elif cmd == ["speculators"]:
-        _speculators_shims()
+        speculators_shims()
         from speculators.train.cli import main as train
         from speculators.train.config import TrainConfig
 
