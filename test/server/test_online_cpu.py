@@ -150,8 +150,8 @@ def test_speculators_mooncake_backend_reads_a_live_server(trainers, tiny_path, w
         ds = ArrowDataset(max_len=4096, datapath=path, transfer=transfer, vllm_endpoint=srv.url + "/v1",
                           on_missing="generate", model=tiny_path, hidden_states_dtype=torch.float32)
         read_all_rows(ds, reference, index, final_norm_weight(tiny_path))
-        # Each object was removed by the trainer once read: a second answer for the same rows
-        # would be new objects, nothing is left in the store.
+        # The answer names an object that is in the store until its reader deletes it (the
+        # trainer's own deletions above are not counted here: the store lists no keys).
         r = requests.post(srv.url + "/v1/completions", json={"model": tiny_path, "prompt": index[1][0],
                                                              "max_tokens": 1, "return_token_ids": True})
         handle = r.json()["kv_transfer_params"]["handle"]

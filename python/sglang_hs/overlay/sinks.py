@@ -233,7 +233,6 @@ class SpecForgeSink:
                 raise RuntimeError(f"cannot join the Mooncake store at {cfg.master} (status {rc}); "
                                    "is mooncake_master running there?")
         self.store = store
-        self._lock = threading.Lock()
 
     def _pin(self):
         from mooncake.store import ReplicateConfig

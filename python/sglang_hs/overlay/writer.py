@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import collections
 import errno
-import json
 import logging
-import os
 import queue
-import re
 import threading
 import time
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from sglang_hs.format import Storage
 from sglang_hs.overlay.rows import RequestState
