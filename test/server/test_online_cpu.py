@@ -14,6 +14,7 @@ import math
 import os
 import re
 import subprocess
+import time
 
 import pytest
 import requests
@@ -222,3 +223,53 @@ def test_specforge_capture_adapter_and_store_read_a_live_server(trainers, tiny_p
         # Requests without spec_capture are served and not exported on this server.
         r = srv.generate({"input_ids": ids[0], "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200 and "hidden_states_export" not in r.json()["meta_info"]
+
+
+def test_speculators_reads_its_index_while_the_capture_fills_it(trainers, tiny_path, work, index, tmp_path):
+    """Train while capturing: `convert --to speculators --follow` writes each captured sample
+    into the index as its row's file; speculators' reader (on_missing=skip, as its trainer
+    runs on a growing folder) skips rows not captured yet and reads each captured one, equal to
+    what `convert` writes from the finished export. The follow exits by itself once every row
+    has its states."""
+    import shutil
+    import sys
+
+    from safetensors.torch import load_file
+    from speculators.train.data import ArrowDataset
+
+    from sglang_hs.tools.capture import CaptureConfig, capture
+    from sglang_hs.tools.convert import to_speculators
+
+    dest = str(tmp_path / "index")
+    shutil.copytree(index[0], dest)
+    data = str(work / "records.jsonl")
+    with server(tiny_path, tmp_path, "directory") as srv:
+        out = srv.export_dir
+        follow = subprocess.Popen([sys.executable, "-m", "sglang_hs.tools.cli", "convert", "--to", "speculators",
+                                   "--follow", out, dest], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            half = ROWS // 2
+            assert capture(CaptureConfig([srv.url], data, out, limit=half, progress=False)).failed == 0
+            ds = ArrowDataset(max_len=4096, datapath=dest, on_missing="skip", hidden_states_dtype=torch.float32)
+            hs = [os.path.join(dest, "hidden_states", f"hs_{i}.safetensors") for i in range(ROWS)]
+            deadline = time.monotonic() + 120
+            while not all(os.path.exists(p) for p in hs[:half]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            early = [ds[i] for i in range(ROWS)]
+            assert capture(CaptureConfig([srv.url], data, out, progress=False)).failed == 0
+            said, _ = follow.communicate(timeout=120)
+        finally:
+            follow.kill()
+    assert follow.returncode == 0, said
+    assert f"{ROWS}/{ROWS} rows" in said.splitlines()[-1], said
+    assert [isinstance(x, dict) for x in early] == [True] * half + [False] * (ROWS - half), early
+    rep = to_speculators(out, str(tmp_path / "offline"))
+    assert rep.samples == ROWS
+    for i in range(ROWS):
+        got, want = load_file(hs[i]), load_file(str(tmp_path / "offline" / "hidden_states" / f"hs_{i}.safetensors"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+        item = ds[i]
+        assert item["input_ids"].tolist() == index[1][i]
+        if i < half:
+            assert all(torch.equal(early[i][k], item[k]) for k in item)
+    assert not [n for n in os.listdir(os.path.join(dest, "hidden_states")) if not n.startswith("hs_")]

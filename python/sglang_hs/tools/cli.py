@@ -84,6 +84,11 @@ def main(argv=None) -> None:
                    help="loss-mask convention (default: the trainer's own: specforge turns+separator, "
                         "speculators last-turn+separator); captured keeps the masks as exported")
     k.add_argument("--trust-remote-code", action="store_true", help="the tokenizer is remote code (Kimi-K2.5)")
+    k.add_argument("--follow", action="store_true",
+                   help="train while capturing (speculators): DEST is an index from `sglang-hs index`; write each "
+                        "sample into it as the capture makes it durable, until every row has its states")
+    k.add_argument("--idle-exit", type=float, metavar="SECONDS", help="with --follow: stop after SECONDS without "
+                   "a new sample (default: wait for every row, or Ctrl-C)")
     x = sub.add_parser("index", help="speculators' dataset index for its online mode (rows only; the server "
                                      "streams each row's states)")
     x.add_argument("--to", choices=["speculators"], required=True)
@@ -178,6 +183,9 @@ def main(argv=None) -> None:
     if a.cmd == "convert":
         from sglang_hs.tools import convert
 
+        if a.follow:
+            _follow(a)
+            return
         fn = convert.to_specforge if a.to == "specforge" else convert.to_speculators
         try:
             rep = fn(a.dir, a.dest, convert.ConvertOptions(a.model, a.loss_mask, a.trust_remote_code))
@@ -198,6 +206,27 @@ def main(argv=None) -> None:
         from sglang_hs.tools.demo import run_demo
 
         sys.exit(0 if run_demo(a.work_dir) else 1)
+
+
+def _follow(a) -> None:
+    import signal
+    import threading
+
+    from sglang_hs.tools.online import follow_speculators
+
+    if a.to != "speculators":
+        sys.exit("sglang-hs convert --follow: only --to speculators (SpecForge's offline reader lists its files once "
+                 "at start; stream to it with --export-sink specforge instead)")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        rep = follow_speculators(a.dir, a.dest, a.model, idle_exit_s=a.idle_exit, stop=stop,
+                                 progress=lambda r: print(r.line(), flush=True))
+    except ValueError as e:
+        sys.exit(f"sglang-hs convert --follow: {e}")
+    print(rep.line())
+    sys.exit(0 if rep.complete and not rep.mismatched else 1)
 
 
 if __name__ == "__main__":

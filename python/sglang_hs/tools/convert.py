@@ -97,7 +97,10 @@ class ExportDataset(torch.utils.data.Dataset):
         return load_sample(self.path(i))
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        t = decode_sample(self.raw(i), self.dtype)
+        return self.decode(self.raw(i))
+
+    def decode(self, raw: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        t = decode_sample(raw, self.dtype)
         t.setdefault("loss_mask", torch.ones_like(t["token_ids"], dtype=torch.uint8))
         return t
 
@@ -334,12 +337,10 @@ def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOption
     os.makedirs(hs_dir)
     rows = []
     for idx in range(len(ds)):
-        t = ds[idx]
+        raw = ds.raw(idx)
+        t = ds.decode(raw)
         ids, mask = t["token_ids"].long(), masks(idx, t)
-        save_file({**_speculators_planes(ds, idx, t, w), "token_ids": ids},
-                  os.path.join(hs_dir, f"hs_{idx}.safetensors"),
-                  metadata={"id": ds.entries[idx]["id"], "last_layer": SPECULATORS_LAST_LAYER,
-                            "aux_layer_ids": json.dumps(ds.info["aux_layer_ids"])})
+        write_speculators_sample(hs_dir, idx, ds.entries[idx]["id"], ds.info, raw, t, w)
         rows.append((ids.tolist(), mask.tolist()))
     write_speculators_index(dest, rows)
     backend = " --hidden-states-backend fp8" if ds.storage.scaled else ""
@@ -349,15 +350,24 @@ def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOption
     return rep
 
 
-def _speculators_planes(ds: ExportDataset, idx: int, t: Dict[str, torch.Tensor], w: torch.Tensor):
-    """`hidden_states` [T, K+1, H] (layouts.speculators_planes; zeros where the export kept no
-    final row). An fp8 export stays fp8 in speculators' own fp8 layout: the aux planes pass
-    through as stored, the pre-image is quantized the same way."""
+def write_speculators_sample(hs_dir: str, row: int, sample_id: str, info: dict, raw: Dict[str, torch.Tensor],
+                             t: Dict[str, torch.Tensor], w: torch.Tensor) -> str:
+    """`hs_dir/hs_{row}.safetensors` from one export sample (`raw` as stored, `t` decoded),
+    published atomically: speculators reads a row's file as soon as its name exists and does
+    not check it, so a trainer running beside `--follow` must never see a partial file."""
+    storage = Storage.of_export(info)
     final = final_at_every_position(t)
-    if not ds.storage.scaled:
-        return speculators_planes(t["aux_hidden_states"], final, w)
-    raw = ds.raw(idx)
-    return speculators_fp8_planes(raw["aux_hidden_states"], raw["aux_hidden_states_scale"], final, w)
+    if storage.scaled:  # an fp8 export stays fp8: aux planes as stored, the pre-image quantized alike
+        planes = speculators_fp8_planes(raw["aux_hidden_states"], raw["aux_hidden_states_scale"], final, w)
+    else:
+        planes = speculators_planes(t["aux_hidden_states"], final, w)
+    path = os.path.join(hs_dir, f"hs_{row}.safetensors")
+    tmp = os.path.join(hs_dir, f".hs_{row}.safetensors.tmp")
+    save_file({**planes, "token_ids": t["token_ids"].long()}, tmp,
+              metadata={"id": sample_id, "last_layer": SPECULATORS_LAST_LAYER,
+                        "aux_layer_ids": json.dumps(info["aux_layer_ids"])})
+    os.replace(tmp, path)
+    return path
 
 
 def _write_index(dest: str, ds: ExportDataset, layout: str, rule: str) -> None:

@@ -1,7 +1,14 @@
-"""What a trainer's online mode needs besides a server with `--export-sink`: speculators'
-dataset index for `--data-path`, from the same records and the same tokenization and masks
-`capture` uses, with no hidden states in it (each row's sample is asked of the server when
-the trainer reads the row). SpecForge tokenizes its prompts itself and needs nothing here.
+"""speculators' dataset index for `--data-path`, written before any state exists, and what
+fills it while a trainer reads it.
+
+- `speculators_index`: the rows from the same records, tokenization and masks `capture`
+  uses, with no hidden states. Online (`--export-sink speculators-*`) each row's sample is
+  asked of the server when the trainer reads the row. SpecForge tokenizes its prompts itself
+  and needs nothing here.
+- `follow_speculators` (`convert --to speculators --follow`): train while capturing. It tails
+  a directory export's manifest and writes each new sample as its row's
+  `hidden_states/hs_{row}.safetensors`, so `speculators train --on-missing skip` can start
+  before the capture ends (a row not yet captured is skipped that epoch).
 """
 
 from __future__ import annotations
@@ -9,9 +16,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import List, Optional
+import re
+import threading
+import time
+from typing import Callable, Dict, List, Optional
 
-from sglang_hs.tools.convert import DEFAULT_MASK_RULE, _fresh, write_speculators_index
+import torch
+
+from sglang_hs.format import MANIFEST, decode_sample, load_sample, read_export_json
+from sglang_hs.layouts import final_norm_weight
+from sglang_hs.tools.convert import DEFAULT_MASK_RULE, _fresh, write_speculators_index, write_speculators_sample
 from sglang_hs.tools.masks import apply_mask_rule, separator_ids, truncate
 from sglang_hs.tools.records import RecordError, iter_records, sample_id, to_sample
 
@@ -42,7 +56,7 @@ def speculators_index(data: str, model_path: str, dest: str, rule: Optional[str]
     rule = rule or DEFAULT_MASK_RULE["speculators"]
     is_sep = separator_ids(tok)
     rep = IndexReport(dest, 0, 0, rule)
-    rows = []
+    rows, keys = [], []
     for i, rec in enumerate(iter_records(data)):
         if isinstance(rec, RecordError):
             rep.skipped.append(f"record {i}: {rec}")
@@ -58,11 +72,131 @@ def speculators_index(data: str, model_path: str, dest: str, rule: Optional[str]
         elif s.messages is not None:  # a mask made from the chat template: the trainer's convention
             mask = apply_mask_rule(ids, mask, rule, is_sep)
         rows.append((ids, mask))
+        keys.append(record_key(s.id))
         rep.tokens += len(ids)
     _fresh(dest)
     write_speculators_index(dest, rows)
     rep.rows = len(rows)
     with open(os.path.join(dest, "sglang_hs_index.json"), "w") as f:
         json.dump({"layout": "speculators-online", "data": os.path.abspath(data), "model_path": model_path,
-                   "loss_mask_rule": rule, "max_length": max_length, "rows": rep.rows}, f, indent=1)
+                   "loss_mask_rule": rule, "max_length": max_length, "rows": rep.rows,
+                   "record_keys": keys}, f, indent=1)
+    return rep
+
+
+# A `capture` sample id ends with its record's position and content hash (records.sample_id),
+# whatever --id-prefix was given: that tail names the index row.
+_RECORD_KEY = re.compile(r"\d{8}-[0-9a-f]{10}$")
+
+
+def record_key(sample_id: str) -> Optional[str]:
+    m = _RECORD_KEY.search(sample_id)
+    return m.group(0) if m else None
+
+
+class ManifestTail:
+    """The manifest entries appended since the last `read`. A line still being appended (no
+    newline yet) waits for the next read; a line that is not JSON is skipped, as
+    `format.read_manifest` does."""
+
+    def __init__(self, out_dir: str):
+        self.path = os.path.join(out_dir, MANIFEST)
+        self.offset = 0
+
+    def read(self) -> List[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(e, dict):
+                out.append(e)
+        return out
+
+
+@dataclasses.dataclass
+class FollowReport:
+    dest: str
+    rows: int
+    written: int = 0  # rows with their file, this run or an earlier one
+    unknown: List[str] = dataclasses.field(default_factory=list)  # exported ids that are no row of the index
+    mismatched: List[str] = dataclasses.field(default_factory=list)  # token ids other than the row's: not written
+
+    @property
+    def complete(self) -> bool:
+        return self.written == self.rows
+
+    def line(self) -> str:
+        out = f"{self.written}/{self.rows} rows have their hidden states in {self.dest}"
+        if self.unknown:
+            out += (f"; {len(self.unknown)} exported samples are no row of this index (other records?), "
+                    f"e.g. {self.unknown[0]}")
+        if self.mismatched:
+            out += (f"; {len(self.mismatched)} samples have other token ids than their row (capture and index "
+                    f"run with other --max-length or records?), not written: e.g. {self.mismatched[0]}")
+        return out
+
+
+def follow_speculators(out_dir: str, dest: str, model_path: Optional[str] = None, poll_s: float = 1.0,
+                       idle_exit_s: Optional[float] = None, stop: Optional[threading.Event] = None,
+                       progress: Optional[Callable[[FollowReport], None]] = None) -> FollowReport:
+    """Write each sample of the export `out_dir` as it becomes durable (it is in the manifest)
+    into `dest`, an index from `speculators_index`, until every row has its file, `stop` is
+    set, or nothing new came for `idle_exit_s`. Rows written by an earlier run are kept, so a
+    follow that was stopped resumes where it was."""
+    from datasets import load_from_disk
+
+    meta_path = os.path.join(dest, "sglang_hs_index.json")
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
+    if "record_keys" not in meta:
+        raise ValueError(f"{dest} has no index from `sglang-hs index --to speculators` (write it first: the "
+                         "trainer can start on it at once)")
+    rows: Dict[str, int] = {k: i for i, k in enumerate(meta["record_keys"])}
+    input_ids = load_from_disk(dest).with_format(None)["input_ids"]
+    hs_dir = os.path.join(dest, "hidden_states")
+    os.makedirs(hs_dir, exist_ok=True)
+    done = {i for i in range(len(rows)) if os.path.exists(os.path.join(hs_dir, f"hs_{i}.safetensors"))}
+    rep = FollowReport(dest, len(rows), len(done))
+    stop = stop or threading.Event()
+    info, w, tail = None, None, ManifestTail(out_dir)
+    last_new = time.monotonic()
+    while not rep.complete and not stop.is_set():
+        if info is None and (info := read_export_json(out_dir)) is not None:
+            if info.get("model_path") != meta["model_path"] and model_path is None:
+                raise ValueError(f"the export's model {info.get('model_path')} is not the index's "
+                                 f"{meta['model_path']}: pass --model if they are the same checkpoint")
+            w = final_norm_weight(model_path or meta["model_path"])
+        entries = tail.read() if info is not None else []
+        for e in entries:
+            row = rows.get(record_key(e["id"]) or "")
+            if row is None:
+                rep.unknown.append(e["id"])
+                continue
+            if row in done:
+                continue
+            raw = load_sample(os.path.join(out_dir, e["path"]))
+            t = decode_sample(raw, getattr(torch, info["dtype"]))
+            if t["token_ids"].tolist() != list(input_ids[row]):
+                rep.mismatched.append(e["id"])
+                continue
+            write_speculators_sample(hs_dir, row, e["id"], info, raw, t, w)
+            done.add(row)
+            rep.written += 1
+        if entries:
+            last_new = time.monotonic()
+            if progress:
+                progress(rep)
+        elif idle_exit_s is not None and time.monotonic() - last_new > idle_exit_s:
+            break
+        if not rep.complete:
+            stop.wait(poll_s)
     return rep
