@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -122,17 +123,34 @@ def test_speculators_file_backend_reads_a_live_server_and_trains_on_it(trainers,
         assert not os.path.exists(os.path.join(srv.export_dir, "manifest.jsonl"))
 
         # speculators' own training entry point, unmodified, on the live stream.
-        r = subprocess.run(speculators_cmd(
-            "--data-path", path, "--verifier-name-or-path", tiny_path, "--vllm-endpoint", srv.url + "/v1",
-            "--hidden-states-backend", "file", "--draft-vocab-size", "32", "--num-workers", "0",
-            "--max-steps", "3", "--epochs", "1", "--total-seq-len", "256", "--draft-attn-impl", "sdpa",
-            "--loss-implementation", "eager", "--save-path", str(work / "run"), "--log-freq", "1"),
-            capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "400"})
+        def train(run, steps, epochs):
+            return speculators_cmd(
+                "--data-path", path, "--verifier-name-or-path", tiny_path, "--vllm-endpoint", srv.url + "/v1",
+                "--hidden-states-backend", "file", "--draft-vocab-size", "32", "--num-workers", "0",
+                "--max-steps", str(steps), "--epochs", str(epochs), "--total-seq-len", "256", "--draft-attn-impl",
+                "sdpa", "--loss-implementation", "eager", "--save-path", str(work / run), "--log-freq", "1")
+
+        env = {**os.environ, "COLUMNS": "400"}
+        # A trainer killed mid-run: the server serves on, and at most the sample in flight
+        # (one with --num-workers 0) is left unread in the handoff folder.
+        with open(work / "killed.log", "w") as log:
+            killed = subprocess.Popen(train("killed", 1000, 100), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        deadline = time.monotonic() + 300
+        while "train/loss=" not in open(work / "killed.log").read() and time.monotonic() < deadline:
+            assert killed.poll() is None, open(work / "killed.log").read()[-3000:]
+            time.sleep(0.1)
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+        assert len(os.listdir(handoff)) <= 1 and not [n for n in os.listdir(handoff) if n.endswith(".tmp")]
+        assert requests.get(srv.url + "/health", timeout=5).status_code == 200
+
+        r = subprocess.run(train("run", 3, 1), capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         losses = [float(x) for x in re.findall(r"train/loss=([0-9.e+-]+)", r.stdout)]
         assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), r.stdout[-3000:]
         assert os.path.isdir(work / "run" / "0")  # its checkpoint
-        assert os.listdir(handoff) == []
+        assert len(os.listdir(handoff)) <= 1  # the killed trainer's, if any; this one read all of its own
 
 
 def test_speculators_mooncake_backend_reads_a_live_server(trainers, tiny_path, work, index, reference, master,

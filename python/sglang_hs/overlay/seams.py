@@ -393,7 +393,11 @@ def _make_sink(cfg: ExportConfig, model_path: str, ids, shard: str):
     w = final_norm_weight(model_path)
     if cfg.sink == "speculators-mooncake":
         return sinks.SpeculatorsMooncakeSink(cfg.mooncake, w)
-    return sinks.HandoffSink(cfg.out_dir, ids, w, fp8=cfg.sink == "speculators-fp8")
+    sink = sinks.HandoffSink(cfg.out_dir, ids, w, fp8=cfg.sink == "speculators-fp8")
+    if sink.orphans_removed:
+        logger.warning("sglang-hs: removed %d handoff files in %s older than %d s: a trainer died before reading "
+                       "them", sink.orphans_removed, sink.dir, sinks.HANDOFF_ORPHAN_S)
+    return sink
 
 
 def _numerics(sa, runner) -> dict:

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import threading
+import time
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -46,6 +47,9 @@ from sglang_hs.overlay.rows import RequestState, build_sample
 from sglang_hs.protocol import DuplicateSampleError, ExportError
 
 HANDOFF_DIR = "handoff"
+# speculators reads and deletes a handoff file inside the call that got its answer; one this
+# old belongs to a trainer that died before reading it and will never be read.
+HANDOFF_ORPHAN_S = 600
 
 
 @dataclasses.dataclass
@@ -141,6 +145,7 @@ class HandoffSink:
         self.name = "speculators-fp8" if fp8 else "speculators-file"
         self.dir = os.path.join(out_dir, HANDOFF_DIR)
         os.makedirs(self.dir, exist_ok=True)
+        self.orphans_removed = remove_orphans(self.dir, HANDOFF_ORPHAN_S)
         self.aux_layer_ids = list(aux_layer_ids)
         self.norm_weight = norm_weight
         self.fp8 = fp8
@@ -165,6 +170,21 @@ class HandoffSink:
         pass
 
 
+def remove_orphans(handoff_dir: str, age_s: float) -> int:
+    """Remove handoff files (and temp files of a crashed write) older than `age_s`: left by a
+    trainer killed between an answer and its read, or by a server killed mid-write."""
+    n, now = 0, time.time()
+    for name in os.listdir(handoff_dir):
+        path = os.path.join(handoff_dir, name)
+        try:
+            if now - os.lstat(path).st_mtime > age_s:
+                os.unlink(path)
+                n += 1
+        except FileNotFoundError:  # read and deleted by a trainer meanwhile
+            pass
+    return n
+
+
 def _hs_store(cfg: MooncakeSettings):
     from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
 
@@ -172,6 +192,24 @@ def _hs_store(cfg: MooncakeSettings):
         local_hostname=cfg.hostname, metadata_server=cfg.metadata_server, master_server_address=cfg.master,
         global_segment_size=cfg.segment_bytes, local_buffer_size=cfg.local_buffer_bytes, protocol=cfg.protocol,
         device_name=cfg.device)).setup()
+
+
+# Mooncake's status codes a producer meets (mooncake-store `ErrorCode`), and what to do about each.
+MOONCAKE_STATUS = {
+    -200: "no space left in the Mooncake segments: the trainer has not removed what it read, or is gone (its "
+          "unread objects hold the space); raise --export-mooncake-segment-gib or restart the trainer",
+    -900: "the Mooncake master does not answer: is mooncake_master running at {master}? Puts resume once it is "
+          "back (samples stored before it went away are lost with its metadata)",
+}
+
+
+def mooncake_failure(what: str, status: int, master: str) -> ExportError:
+    """A failed put as the request's error (503: the server serves on; a resend may succeed)."""
+    why = MOONCAKE_STATUS.get(status, "see the Mooncake log of this server")
+    return ExportError(f"could not put {what} into Mooncake (status {status}): {why.format(master=master)}", 503)
+
+
+_STATUS = re.compile(r"status=(-?\d+)")
 
 
 def mooncake_key(rid: str) -> str:
@@ -193,6 +231,7 @@ class SpeculatorsMooncakeSink:
 
         self._layout, self._version = packed_layout, VERSION
         self.norm_weight = norm_weight
+        self.master = cfg.master
         self.store = store or _hs_store(cfg)
 
     def put(self, st: RequestState) -> Placed:
@@ -206,7 +245,8 @@ class SpeculatorsMooncakeSink:
         try:
             self.store.put_sample(manifest, tensors)
         except RuntimeError as e:  # a full segment, the master gone: the request fails, the server serves on
-            raise ExportError(f"could not put sample {st.rid} into Mooncake: {e}", 503) from None
+            m = _STATUS.search(str(e))  # hs-connectors says "... with status=N"
+            raise mooncake_failure(f"sample {st.rid}", int(m.group(1)) if m else 0, self.master) from None
         return Placed(bytes=total, answer=manifest)
 
     def close(self) -> None:
@@ -223,6 +263,7 @@ class SpecForgeSink:
 
     def __init__(self, cfg: MooncakeSettings, specforge_layer_ids: Sequence[int], store=None):
         self.layer_ids = list(specforge_layer_ids)
+        self.master = cfg.master
         if store is None:
             from mooncake.store import MooncakeDistributedStore
 
@@ -273,7 +314,7 @@ class SpecForgeSink:
                 finally:
                     self.store.unregister_buffer(t.data_ptr())
                 if rc is not None and int(rc) < 0:
-                    raise ExportError(f"could not put {prefix + name} into Mooncake (status {rc})", 503)
+                    raise mooncake_failure(prefix + name, int(rc), self.master)
                 written.append(prefix + name)
                 size += nb
         except BaseException:
