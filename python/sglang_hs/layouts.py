@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 from safetensors import safe_open
@@ -25,6 +25,13 @@ from sglang_hs.format import quantize_rows
 
 # Each file's metadata says what its last plane is.
 SPECULATORS_LAST_LAYER = "prenorm_preimage"
+
+
+def default_aux_layer_ids(num_layers: int) -> Tuple[int, ...]:
+    """The aux layers both trainers assume unless told (HF numbering): a speculators 0.9.0
+    draft without `--target-layer-ids` (`speculators.models.utils.resolve_target_layer_ids`)
+    and SpecForge 0.2.0's default, [1, L//2-1, L-4] in its own numbering."""
+    return (2, num_layers // 2, num_layers - 3)
 
 
 def final_norm_weight(model_path: str) -> torch.Tensor:

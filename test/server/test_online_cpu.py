@@ -22,7 +22,7 @@ import requests
 import torch
 
 from harness.mooncake import MooncakeMaster
-from harness.trainers import speculators_cmd
+from harness.trainers import specforge_cmd, specforge_steps, speculators_cmd
 from sglang_hs.format import load_sample, read_manifest
 from sglang_hs.layouts import final_norm_weight, speculators_planes
 from sglang_hs.tools.online import speculators_index
@@ -291,3 +291,37 @@ def test_speculators_reads_its_index_while_the_capture_fills_it(trainers, tiny_p
         if i < half:
             assert all(torch.equal(early[i][k], item[k]) for k in item)
     assert not [n for n in os.listdir(os.path.join(dest, "hidden_states")) if not n.startswith("hs_")]
+
+
+def test_specforge_trains_online_from_a_live_server(trainers, tiny_path, work, index, master, tmp_path):
+    """SpecForge's whole disaggregated online mode, unmodified: `sglang-hs index --to
+    specforge` writes its prompts, draft config, vocabulary mapping and run config; its
+    producer role sends every prompt to the live server (`spec_capture`), which writes each
+    sample into Mooncake; its consumer role trains on them. On CPU each role runs in its own
+    process as `specforge train -c ... --role R` (its launcher's per-role form), so the CPU
+    shim F1 applies in both; `fsdp_sharding=NO_SHARD` because FSDP needs an accelerator."""
+    from sglang_hs.tools.online import SpecForgeOnline, specforge_index
+
+    with server(tiny_path, tmp_path, "specforge", "--export-mooncake-master", master.address,
+                "--export-mooncake-segment-gib", "0.125") as srv:
+        dest = str(tmp_path / "sf")
+        rep = specforge_index(str(work / "records.jsonl"), tiny_path, dest, SpecForgeOnline([srv.url], master.address))
+        assert rep.rows == ROWS and rep.train == f"specforge train -c {dest}/specforge.yaml"
+        over = ["training.fsdp_sharding=NO_SHARD", "training.log_interval=1", "training.max_steps=3",
+                "training.num_epochs=1", "data.dataloader_num_workers=0", f"data.cache_dir={tmp_path / 'cache'}"]
+        procs = {}
+        for role in ("producer", "consumer"):
+            with open(tmp_path / f"{role}.log", "w") as log:
+                procs[role] = subprocess.Popen(specforge_cmd("train", "-c", f"{dest}/specforge.yaml", "--role", role,
+                                                             *over), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for p in procs.values():
+                p.wait(timeout=600)
+        finally:
+            for p in procs.values():
+                p.kill()
+    logs = {r: open(tmp_path / f"{r}.log").read() for r in procs}
+    assert [p.returncode for p in procs.values()] == [0, 0], {r: t[-3000:] for r, t in logs.items()}
+    assert f"produced={ROWS} prompts_failed=0" in logs["producer"], logs["producer"][-3000:]
+    steps = specforge_steps(logs["consumer"])
+    assert len(steps) == 3 and all(math.isfinite(s["loss"]) for s in steps), logs["consumer"][-3000:]

@@ -1,14 +1,15 @@
-"""What fills speculators' index while a trainer reads it: the manifest tail that
-`convert --follow` reads, and the record key that names a row. The server side of
+"""What the trainers read besides the states: the manifest tail that `convert --follow`
+reads, the record key that names a row, SpecForge's vocabulary mapping. The server side of
 `--follow` (a real capture, speculators' reader on the growing index) is in
 test/server/test_online_cpu.py."""
 
 import json
 
+import torch
 from hypothesis import given, settings, strategies as st
 
 from sglang_hs.format import MANIFEST
-from sglang_hs.tools.online import ManifestTail, record_key
+from sglang_hs.tools.online import ManifestTail, record_key, specforge_vocab_mapping
 from sglang_hs.tools.records import sample_id
 
 
@@ -42,3 +43,21 @@ def test_the_record_key_is_the_same_whatever_the_id_prefix():
     assert len(keys) == 1 and next(iter(keys)).startswith("00000041-")
     assert record_key(sample_id("", 42, rec)) not in keys
     assert record_key("row-3") is None  # a client's own rid names no record
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), draft=st.integers(1, 40))
+def test_the_vocab_mapping_is_specforges_own_for_the_same_counts(trainers, data, draft):
+    """`specforge_vocab_mapping` against SpecForge 0.2.0's `process_token_dict_to_mappings`
+    (distinct counts: it breaks ties by insertion order, which a file of rows does not fix)."""
+    import collections
+
+    from specforge.data.preprocessing import process_token_dict_to_mappings
+
+    target = 64
+    tokens = data.draw(st.lists(st.integers(0, target - 1), unique=True, max_size=50))
+    counts = data.draw(st.lists(st.integers(1, 10_000), unique=True, min_size=len(tokens), max_size=len(tokens)))
+    rows = [([t] * c, [1] * c) for t, c in zip(tokens, counts)] + [([5, 6, 7], [0, 0, 0])]  # unmasked: not counted
+    got = specforge_vocab_mapping(rows, draft, target)
+    d2t, t2d = process_token_dict_to_mappings(collections.Counter(dict(zip(tokens, counts))), draft, target)
+    assert torch.equal(got["d2t"], d2t) and torch.equal(got["t2d"], t2d)

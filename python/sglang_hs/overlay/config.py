@@ -76,12 +76,6 @@ class MooncakeSettings:
     hostname: str = dataclasses.field(default_factory=lambda: os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"))
 
 
-def speculators_default_layer_ids(num_layers: int) -> Tuple[int, ...]:
-    """The aux ids a speculators 0.9.0 draft assumes unless given `--target-layer-ids`
-    (`speculators.models.utils.resolve_target_layer_ids`), HF numbering."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
 def check_sink(sink: str, export_dtype: Optional[str], final_rows: str) -> None:
     """A sink other than the directory writes its trainer's own layout from full-precision
     rows at every position."""

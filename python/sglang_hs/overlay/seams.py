@@ -30,6 +30,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_hs.format import check_compatible, read_export_json, repair_export, write_export_json
+from sglang_hs.layouts import default_aux_layer_ids
 from sglang_hs.overlay import releases
 from sglang_hs.overlay.config import (
     SINKS,
@@ -40,7 +41,6 @@ from sglang_hs.overlay.config import (
     check_sink,
     export_info,
     is_writer_rank,
-    speculators_default_layer_ids,
 )
 
 logger = logging.getLogger("sglang_hs")
@@ -222,7 +222,7 @@ def _check_startup(server_args, args) -> ExportConfig:
         from sglang.srt.configs.model_config import ModelConfig
 
         mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
-        ids = check_aux_layer_ids(speculators_default_layer_ids(mc.num_hidden_layers), mc.num_hidden_layers)
+        ids = check_aux_layer_ids(default_aux_layer_ids(mc.num_hidden_layers), mc.num_hidden_layers)
     elif args.export_sink.startswith("speculators"):
         logger.warning("sglang-hs: --export-aux-layer-ids %s: speculators' payload carries no layer ids, so train "
                        "with `speculators train ... --target-layer-ids %s`", list(ids), " ".join(map(str, ids)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -89,16 +90,20 @@ def main(argv=None) -> None:
                         "sample into it as the capture makes it durable, until every row has its states")
     k.add_argument("--idle-exit", type=float, metavar="SECONDS", help="with --follow: stop after SECONDS without "
                    "a new sample (default: wait for every row, or Ctrl-C)")
-    x = sub.add_parser("index", help="speculators' dataset index for its online mode (rows only; the server "
+    x = sub.add_parser("index", help="what a trainer's online mode reads besides the states (rows only; the server "
                                      "streams each row's states)")
-    x.add_argument("--to", choices=["speculators"], required=True)
+    x.add_argument("--to", choices=["speculators", "specforge"], required=True)
     x.add_argument("--data", required=True, help="records (JSONL), as for capture")
     x.add_argument("--model", required=True, help="the target checkpoint (its tokenizer and chat template)")
     x.add_argument("dest")
-    x.add_argument("--loss-mask", choices=list(MASK_RULES), help="default: speculators' own, last-turn+separator")
+    x.add_argument("--loss-mask", choices=list(MASK_RULES), help="default: the trainer's own rule")
     x.add_argument("--max-length", type=int, help="keep the first N tokens of each sample (as capture --max-length)")
     x.add_argument("--aux-layer-ids", type=int, nargs="+", metavar="K",
-                   help="the server's --export-aux-layer-ids when given: printed as the trainer's --target-layer-ids")
+                   help="the server's --export-aux-layer-ids when given (HF numbering): speculators' "
+                        "--target-layer-ids, SpecForge's draft config")
+    x.add_argument("--server", action="append", help="specforge: the capture server URL (repeat for several)")
+    x.add_argument("--mooncake-master", help="specforge: the mooncake_master HOST:PORT the servers use")
+    x.add_argument("--draft-vocab-size", type=int, default=32000, help="specforge: the draft's vocabulary")
     x.add_argument("--trust-remote-code", action="store_true")
     a = p.parse_args(argv)
     if a.cmd == "verify":
@@ -194,13 +199,22 @@ def main(argv=None) -> None:
         print(rep.line())
         return
     if a.cmd == "index":
-        from sglang_hs.tools.online import speculators_index
+        from sglang_hs.tools import online
 
         try:
-            rep = speculators_index(a.data, a.model, a.dest, a.loss_mask, a.max_length, a.trust_remote_code)
+            if a.to == "speculators":
+                rep = online.speculators_index(a.data, a.model, a.dest, a.loss_mask, a.max_length,
+                                               a.trust_remote_code, a.aux_layer_ids)
+            else:
+                if not a.server or not a.mooncake_master:
+                    sys.exit("sglang-hs index --to specforge: give --server URL and --mooncake-master HOST:PORT "
+                             "(SpecForge's roles reach the servers and the store through them)")
+                rep = online.specforge_index(a.data, a.model, a.dest, online.SpecForgeOnline(
+                    a.server, a.mooncake_master, os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")),
+                    a.loss_mask, a.max_length, a.trust_remote_code, a.aux_layer_ids, a.draft_vocab_size)
         except ValueError as e:
             sys.exit(f"sglang-hs index: {e}")
-        print("\n".join(rep.lines(a.model, a.aux_layer_ids)))
+        print("\n".join(rep.lines()))
         return
     if a.cmd == "demo":
         from sglang_hs.tools.demo import run_demo
