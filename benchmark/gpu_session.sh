@@ -77,6 +77,38 @@ for step in "$@"; do
            while [ ! -e $BG/$n.done ]; do sleep 5; done; done
          $T $e2e --phases serve 2>&1 | tee -a "$OUT/e2e.txt"
          (cd ${E2E_WORK:-/tmp/e2e} && tar czf "$OUT/e2e-logs.tgz" $(find . -maxdepth 1 -name '*.log')) ;;
+    # The README's online-training recipes run as written (scripts/online/), then the online vs
+    # directory benchmark. The trainers' online dependencies travel as .gpu/parts-*/
+    # online-extras.tar.xz.part-* (stashed first: `stash`) and .gpu/libs.tgz (Mooncake's three
+    # Debian libraries); the model is random, of Llama geometry, with SmolLM2's tokenizer (.gpu/tok).
+    online) X=/tmp/online-site M=/tmp/online-model W=${ONLINE_WORK:-/dev/shm/online}
+         if [ ! -d $X/speculators ]; then
+           mkdir -p $X/_libs $X/_bin && cat /tmp/stash/online-extras.tar.xz.part-* | tar -xJf - -C $X || exit 5
+           tar xzf .gpu/libs.tgz -C $X/_libs
+           printf '#!/bin/sh\nexec python3 -c "import sys; from specforge.cli import main; sys.exit(main())" "$@"\n' \
+             > $X/_bin/specforge && chmod +x $X/_bin/specforge
+         fi
+         export PYTHONPATH=$SITE:$X:$PWD LD_LIBRARY_PATH=$X/_libs:${LD_LIBRARY_PATH:-} PATH=$SITE/bin:$X/_bin:$X/mooncake:$PATH
+         [ -f $M/config.json ] || python3 -c "from harness.models import tiny; tiny('llama', '$M', '$SGLANG_HS_TOKENIZER', \
+           num_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, \
+           head_dim=128)" || exit 6
+         mkdir -p $W && head -n ${ONLINE_ROWS:-64} python/sglang_hs/data/chats_200.jsonl > $W/chats.jsonl
+         command -v curl > /dev/null || printf '#!/bin/sh\nexec python3 -c "import sys,urllib.request as u; u.urlopen(sys.argv[-1], timeout=5)" "$@" 2>/dev/null\n' \
+           > $X/_bin/curl && chmod +x $X/_bin/curl  # the recipes' health check
+         command -v python > /dev/null || ln -sf "$(command -v python3)" $X/_bin/python
+         for b in file mooncake; do
+           MODEL=$M DATA=$W/chats.jsonl WORK=$W/spec-$b BACKEND=$b PORT=30000 \
+             TRAIN_ARGS="--epochs 1 --save-path $W/spec-$b/run --log-freq 1" \
+             $T bash scripts/online/speculators.sh > $OUT/online-speculators-$b.txt 2>&1
+           echo "speculators $b: rc=$?" | tee -a $OUT/online.txt
+           for f in $W/spec-$b/*.log; do cp $f $OUT/speculators-$b-$(basename $f); done
+         done
+         MODEL=$M DATA=$W/chats.jsonl WORK=$W/sf PORT=30000 TRAIN_ARGS="training.num_epochs=1 training.log_interval=1" \
+           $T bash scripts/online/specforge.sh > $OUT/online-specforge.txt 2>&1
+         echo "specforge: rc=$?" | tee -a $OUT/online.txt; for f in $W/sf/*.log; do cp $f $OUT/specforge-$(basename $f); done
+         pkill -x mooncake_master
+         $T python3 benchmark/bench_online.py --gpu --model $M --rounds ${ROUNDS:-5} --prompts 64 --length 1024 \
+           --concurrency 32 --out $OUT/gpu_online_h200.json 2>&1 | tee $OUT/bench_online.txt ;;
     *) $T python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac

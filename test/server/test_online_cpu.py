@@ -106,6 +106,7 @@ def read_all_rows(ds, reference, index, norm_weight):
         assert item["loss_mask"].tolist() == masks[i]
 
 
+@pytest.mark.core  # the completion_kv_transfer_params seam on every release of the window
 def test_speculators_file_backend_reads_a_live_server_and_trains_on_it(trainers, tiny_path, work, index,
                                                                           reference):
     from hs_connectors.transfer import HiddenStatesBackend
@@ -293,6 +294,7 @@ def test_speculators_reads_its_index_while_the_capture_fills_it(trainers, tiny_p
     assert not [n for n in os.listdir(os.path.join(dest, "hidden_states")) if not n.startswith("hs_")]
 
 
+@pytest.mark.core  # the generate_request seam's spec_capture on every release of the window
 def test_specforge_trains_online_from_a_live_server(trainers, tiny_path, work, index, master, tmp_path):
     """SpecForge's whole disaggregated online mode, unmodified: `sglang-hs index --to
     specforge` writes its prompts, draft config, vocabulary mapping and run config; its

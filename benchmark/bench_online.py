@@ -1,12 +1,15 @@
 """Online (speculators-file sink, each sample read and deleted as speculators' trainer does)
-vs the export directory, side by side in one run on CPU, SmolLM2-135M.
+vs the export directory, side by side in one run: on CPU with SmolLM2-135M, or on a GPU
+(`--gpu`, the stock launcher, triton attention) with any checkpoint (`--model`).
 
 Both servers run at once, same flags but the sink, and are measured in alternating rounds on
 identical prompts. The directory side is a capture (/generate, the sample stays on disk);
 the online side is what speculators' online mode does per row (/v1/completions, then
 hs-connectors' own FileTransfer reads the handoff file and deletes it).
 
-    .venv/bin/python benchmark/bench_cpu_online.py --rounds 5
+    .venv/bin/python benchmark/bench_online.py --rounds 5
+    python3 benchmark/bench_online.py --gpu --model M --prompts 64 --length 1024 --concurrency 32 \
+        --out benchmark/results/gpu_online_h200.json
 """
 
 import argparse
@@ -76,17 +79,22 @@ def main():
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--work-dir", default=".cache")
+    p.add_argument("--model", help="default: SmolLM2-135M-Instruct from the embedded GGUF")
+    p.add_argument("--gpu", action="store_true", help="the stock launcher on the GPU (triton attention) instead of CPU")
     p.add_argument("--out", default="benchmark/results/cpu_online_smollm2.json")
     a = p.parse_args()
-    model = models.smollm2(os.path.join(a.work_dir, "models", "smollm2-135m-instruct"))
+    model = a.model or models.smollm2(os.path.join(a.work_dir, "models", "smollm2-135m-instruct"))
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     dirs = {s: tempfile.mkdtemp(prefix=f"sglang-hs-online-{s}-", dir=shm) for s in ("directory", "online")}
     common = ["--model-path", model, "--skip-server-warmup", "--disable-radix-cache"]
+    if a.gpu:  # both servers share the GPU
+        common += ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.35"]
     rows = {"directory": [], "online": []}
     try:
-        with LocalServer([*common, "--export-hidden-states-dir", dirs["directory"]], "/tmp/bench-online-dir.log") as sd, \
+        with LocalServer([*common, "--export-hidden-states-dir", dirs["directory"]], "/tmp/bench-online-dir.log",
+                         cpu=not a.gpu) as sd, \
              LocalServer([*common, "--export-hidden-states-dir", dirs["online"], "--export-sink", "speculators-file"],
-                         "/tmp/bench-online-spec.log") as so:
+                         "/tmp/bench-online-spec.log", cpu=not a.gpu) as so:
             warm = random_prompts(4, a.length, seed=999)
             directory_round(sd.url, warm, 4, "warm")
             online_round(so.url, model, warm, 4)
@@ -106,6 +114,7 @@ def main():
     result = {
         "what": "samples/s and GB/s: speculators-file sink read and deleted by hs-connectors' FileTransfer "
                 "(/v1/completions) vs the directory sink (/generate), same prompts, alternating rounds",
+        "model": model, "device": "gpu" if a.gpu else "cpu",
         "prompts_per_round": a.prompts, "prompt_length": a.length, "concurrency": a.concurrency,
         "directory": {k: spread([r[k] for r in rows["directory"]]) for k in ("samples_per_s", "gb_per_s")},
         "online": {k: spread([r[k] for r in rows["online"]]) for k in ("samples_per_s", "gb_per_s")},
