@@ -64,20 +64,27 @@ def index(tiny_path, work):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_path, work, index):
+def directory_server(tiny_path, work):
+    """One directory-sink server for the module (an idle CPU server costs no CPU)."""
+    with server(tiny_path, work, "directory") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(directory_server, index):
     """The directory export of the same prompts, one request at a time, checked against HF:
     {row: (aux [T, K, H], final [T, H])}."""
     _, ids, _ = index
-    with server(tiny_path, work, "directory") as srv:
-        for i, row in enumerate(ids):
-            r = srv.generate({"rid": f"row-{i}", "input_ids": row, "sampling_params": {"max_new_tokens": 1}})
-            assert r.status_code == 200, r.text
-        # SpecForge's request on a server that does not write its layout: refused, and why.
-        r = srv.generate({"input_ids": ids[0], "sampling_params": {"max_new_tokens": 0},
-                          "spec_capture": [{"store_id": "s", "sample_id": "a", "gen": 1,
-                                            "features": {"aux": "hidden_state"}}]})
-        assert r.status_code == 400 and "--export-sink specforge" in r.text, r.text
-        out = srv.export_dir
+    srv = directory_server
+    for i, row in enumerate(ids):
+        r = srv.generate({"rid": f"row-{i}", "input_ids": row, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 200, r.text
+    # SpecForge's request on a server that does not write its layout: refused, and why.
+    r = srv.generate({"input_ids": ids[0], "sampling_params": {"max_new_tokens": 0},
+                      "spec_capture": [{"store_id": "s", "sample_id": "a", "gen": 1,
+                                        "features": {"aux": "hidden_state"}}]})
+    assert r.status_code == 400 and "--export-sink specforge" in r.text, r.text
+    out = srv.export_dir
     rep = verify_export(out, samples=None)
     assert rep.ok, rep.table()
     by_id = {e["id"]: e for e in read_manifest(out)}
@@ -92,6 +99,13 @@ def reference(tiny_path, work, index):
 def master(work):
     with MooncakeMaster(str(work / "mooncake_master.log")) as m:
         yield m
+
+
+@pytest.fixture(scope="module")
+def specforge_server(tiny_path, work, master):
+    with server(tiny_path, work, "specforge", "--export-mooncake-master", master.address,
+                "--export-mooncake-segment-gib", "0.125") as srv:
+        yield srv
 
 
 def read_all_rows(ds, reference, index, norm_weight):
@@ -181,8 +195,8 @@ def test_speculators_mooncake_backend_reads_a_live_server(trainers, tiny_path, w
         assert store._require_store().is_exist(handle) == 0
 
 
-def test_specforge_capture_adapter_and_store_read_a_live_server(trainers, tiny_path, work, index, reference,
-                                                                master, monkeypatch):
+def test_specforge_capture_adapter_and_store_read_a_live_server(trainers, index, reference, master,
+                                                                specforge_server):
     from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter
     from specforge.inference.capture import CaptureConfig
     from specforge.runtime.contracts import PromptTask
@@ -191,65 +205,65 @@ def test_specforge_capture_adapter_and_store_read_a_live_server(trainers, tiny_p
     _, ids, masks = index
     setup = {"local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "master_server_addr": master.address,
              "protocol": "tcp", "global_segment_size": 64 << 20, "local_buffer_size": 64 << 20}
-    with server(tiny_path, work, "specforge", "--export-mooncake-master", master.address,
-                "--export-mooncake-segment-gib", "0.125") as srv:
-        producer = MooncakeFeatureStore(store_id="run1", setup_kwargs=setup)
-        # SpecForge's eagle3 server-streaming layout (algorithms/eagle3/providers.py)
-        schema = ServerCaptureSchema(aux_feature="hidden_state", last_hidden_feature="target",
-                                     passthrough=(("input_ids", "input_ids", ()), ("loss_mask", "loss_mask", ())),
-                                     attention_mask_feature="attention_mask")
-        adapter = SGLangServerCaptureAdapter(srv.url, producer, run_id="run1", algorithm="eagle3", schema=schema)
-        # SpecForge's default aux ids for 8 layers, [1, L//2-1, L-4], in its own numbering.
-        capture = CaptureConfig.from_strategy({"hidden_state", "target", "input_ids", "loss_mask", "attention_mask"},
-                                              (1, 3, 4), target_repr="hidden_state", target_hidden_size=64)
-        tasks = [PromptTask(task_id=f"t{i}", run_id="run1", source_id=f"s{i}",
-                            payload={"input_ids": ids[i], "loss_mask": masks[i]}, max_length=4096)
-                 for i in range(len(ids))]
-        # One prompt per call, as the reference was exported: the same rows bit for bit.
-        refs = [adapter.produce_refs([t], capture=capture)[0] for t in tasks]
-        assert [type(r).__name__ for r in refs] == ["SampleRef"] * len(ids), refs
-        # SpecForge's own batches (one /generate, several prompts): within bf16's batching noise.
-        batch = adapter.produce_refs([dataclasses.replace(t, task_id=f"b{i}") for i, t in enumerate(tasks[:3])],
-                                     capture=capture)
+    srv = specforge_server
+    producer = MooncakeFeatureStore(store_id="run1", setup_kwargs=setup)
+    # SpecForge's eagle3 server-streaming layout (algorithms/eagle3/providers.py)
+    schema = ServerCaptureSchema(aux_feature="hidden_state", last_hidden_feature="target",
+                                 passthrough=(("input_ids", "input_ids", ()), ("loss_mask", "loss_mask", ())),
+                                 attention_mask_feature="attention_mask")
+    adapter = SGLangServerCaptureAdapter(srv.url, producer, run_id="run1", algorithm="eagle3", schema=schema)
+    # SpecForge's default aux ids for 8 layers, [1, L//2-1, L-4], in its own numbering.
+    capture = CaptureConfig.from_strategy({"hidden_state", "target", "input_ids", "loss_mask", "attention_mask"},
+                                          (1, 3, 4), target_repr="hidden_state", target_hidden_size=64)
+    tasks = [PromptTask(task_id=f"t{i}", run_id="run1", source_id=f"s{i}",
+                        payload={"input_ids": ids[i], "loss_mask": masks[i]}, max_length=4096)
+             for i in range(len(ids))]
+    # One prompt per call, as the reference was exported: the same rows bit for bit.
+    refs = [adapter.produce_refs([t], capture=capture)[0] for t in tasks]
+    assert [type(r).__name__ for r in refs] == ["SampleRef"] * len(ids), refs
+    # SpecForge's own batches (one /generate, several prompts): within bf16's batching noise.
+    batch = adapter.produce_refs([dataclasses.replace(t, task_id=f"b{i}") for i, t in enumerate(tasks[:3])],
+                                 capture=capture)
 
-        consumer = MooncakeFeatureStore(store_id="run1", setup_kwargs=setup)
-        for i, ref in enumerate(refs + batch):
-            got, handle = consumer.get(ref)
-            aux, final = reference[i % len(ids)]
-            T = aux.shape[0]
-            want_aux, want_target = aux.reshape(1, T, -1).to(torch.bfloat16), final[None].to(torch.bfloat16)
-            if i < len(refs):
-                assert torch.equal(got["hidden_state"], want_aux) and torch.equal(got["target"], want_target)
-            else:
-                torch.testing.assert_close(got["hidden_state"], want_aux, atol=0.05, rtol=0.05)
-                torch.testing.assert_close(got["target"], want_target, atol=0.05, rtol=0.05)
-            assert got["input_ids"][0].tolist() == ids[i % len(ids)] and got["loss_mask"][0].tolist() == masks[i % len(ids)]
-            assert got["attention_mask"].tolist() == [[1] * T]
-            consumer.release(handle)
-        consumer.drain_pending_removals()
-        left = [f"run1/{r.sample_id}/g1/{n}" for r in refs + batch for n in r.feature_specs]
-        assert [k for k in left if consumer._store.is_exist(k) == 1] == []  # the consumer freed every object
+    consumer = MooncakeFeatureStore(store_id="run1", setup_kwargs=setup)
+    for i, ref in enumerate(refs + batch):
+        got, handle = consumer.get(ref)
+        aux, final = reference[i % len(ids)]
+        T = aux.shape[0]
+        want_aux, want_target = aux.reshape(1, T, -1).to(torch.bfloat16), final[None].to(torch.bfloat16)
+        if i < len(refs):
+            assert torch.equal(got["hidden_state"], want_aux) and torch.equal(got["target"], want_target)
+        else:
+            torch.testing.assert_close(got["hidden_state"], want_aux, atol=0.05, rtol=0.05)
+            torch.testing.assert_close(got["target"], want_target, atol=0.05, rtol=0.05)
+        assert got["input_ids"][0].tolist() == ids[i % len(ids)] and got["loss_mask"][0].tolist() == masks[i % len(ids)]
+        assert got["attention_mask"].tolist() == [[1] * T]
+        consumer.release(handle)
+    consumer.drain_pending_removals()
+    left = [f"run1/{r.sample_id}/g1/{n}" for r in refs + batch for n in r.feature_specs]
+    assert [k for k in left if consumer._store.is_exist(k) == 1] == []  # the consumer freed every object
 
-        # A server whose aux layers differ from what SpecForge asks for is refused by SpecForge's
-        # own check, loudly, never trained on.
-        other = CaptureConfig.from_strategy({"hidden_state", "target"}, (1, 3, 5), target_repr="hidden_state",
-                                            target_hidden_size=64)
-        bad = adapter.produce_refs([PromptTask(task_id="t-bad", run_id="run1", source_id="x",
-                                               payload={"input_ids": ids[0], "loss_mask": masks[0]},
-                                               max_length=4096)], capture=other)
-        assert type(bad[0]).__name__ == "ServerCaptureFailure" and "aux-layer id mismatch" in bad[0].reason
+    # A server whose aux layers differ from what SpecForge asks for is refused by SpecForge's
+    # own check, loudly, never trained on.
+    other = CaptureConfig.from_strategy({"hidden_state", "target"}, (1, 3, 5), target_repr="hidden_state",
+                                        target_hidden_size=64)
+    bad = adapter.produce_refs([PromptTask(task_id="t-bad", run_id="run1", source_id="x",
+                                           payload={"input_ids": ids[0], "loss_mask": masks[0]},
+                                           max_length=4096)], capture=other)
+    assert type(bad[0]).__name__ == "ServerCaptureFailure" and "aux-layer id mismatch" in bad[0].reason
 
-        # Requests without spec_capture are served and not exported on this server.
-        r = srv.generate({"input_ids": ids[0], "sampling_params": {"max_new_tokens": 1}})
-        assert r.status_code == 200 and "hidden_states_export" not in r.json()["meta_info"]
+    # Requests without spec_capture are served and not exported on this server.
+    r = srv.generate({"input_ids": ids[0], "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 200 and "hidden_states_export" not in r.json()["meta_info"]
 
 
-def test_speculators_reads_its_index_while_the_capture_fills_it(trainers, tiny_path, work, index, tmp_path):
+def test_speculators_reads_its_index_while_the_capture_fills_it(trainers, work, index, directory_server, tmp_path):
     """Train while capturing: `convert --to speculators --follow` writes each captured sample
     into the index as its row's file; speculators' reader (on_missing=skip, as its trainer
     runs on a growing folder) skips rows not captured yet and reads each captured one, equal to
     what `convert` writes from the finished export. The follow exits by itself once every row
-    has its states."""
+    has its states. (The export also holds the reference's samples, rids of no record: the
+    follow passes them by.)"""
     import shutil
     import sys
 
@@ -262,28 +276,27 @@ def test_speculators_reads_its_index_while_the_capture_fills_it(trainers, tiny_p
     dest = str(tmp_path / "index")
     shutil.copytree(index[0], dest)
     data = str(work / "records.jsonl")
-    with server(tiny_path, tmp_path, "directory") as srv:
-        out = srv.export_dir
-        follow = subprocess.Popen([sys.executable, "-m", "sglang_hs.tools.cli", "convert", "--to", "speculators",
-                                   "--follow", out, dest], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            half = ROWS // 2
-            assert capture(CaptureConfig([srv.url], data, out, limit=half, progress=False)).failed == 0
-            ds = ArrowDataset(max_len=4096, datapath=dest, on_missing="skip", hidden_states_dtype=torch.float32)
-            hs = [os.path.join(dest, "hidden_states", f"hs_{i}.safetensors") for i in range(ROWS)]
-            deadline = time.monotonic() + 120
-            while not all(os.path.exists(p) for p in hs[:half]) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            early = [ds[i] for i in range(ROWS)]
-            assert capture(CaptureConfig([srv.url], data, out, progress=False)).failed == 0
-            said, _ = follow.communicate(timeout=120)
-        finally:
-            follow.kill()
+    srv = directory_server
+    out = srv.export_dir
+    follow = subprocess.Popen([sys.executable, "-m", "sglang_hs.tools.cli", "convert", "--to", "speculators",
+                               "--follow", out, dest], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        half = ROWS // 2
+        assert capture(CaptureConfig([srv.url], data, out, limit=half, progress=False)).failed == 0
+        ds = ArrowDataset(max_len=4096, datapath=dest, on_missing="skip", hidden_states_dtype=torch.float32)
+        hs = [os.path.join(dest, "hidden_states", f"hs_{i}.safetensors") for i in range(ROWS)]
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(p) for p in hs[:half]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        early = [ds[i] for i in range(ROWS)]
+        assert capture(CaptureConfig([srv.url], data, out, progress=False)).failed == 0
+        said, _ = follow.communicate(timeout=120)
+    finally:
+        follow.kill()
     assert follow.returncode == 0, said
     assert f"{ROWS}/{ROWS} rows" in said.splitlines()[-1], said
     assert [isinstance(x, dict) for x in early] == [True] * half + [False] * (ROWS - half), early
-    rep = to_speculators(out, str(tmp_path / "offline"))
-    assert rep.samples == ROWS
+    to_speculators(out, str(tmp_path / "offline"))  # capture's ids first: dataset order
     for i in range(ROWS):
         got, want = load_file(hs[i]), load_file(str(tmp_path / "offline" / "hidden_states" / f"hs_{i}.safetensors"))
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
@@ -295,7 +308,8 @@ def test_speculators_reads_its_index_while_the_capture_fills_it(trainers, tiny_p
 
 
 @pytest.mark.core  # the generate_request seam's spec_capture on every release of the window
-def test_specforge_trains_online_from_a_live_server(trainers, tiny_path, work, index, master, tmp_path):
+def test_specforge_trains_online_from_a_live_server(trainers, tiny_path, work, index, master, specforge_server,
+                                                   tmp_path):
     """SpecForge's whole disaggregated online mode, unmodified: `sglang-hs index --to
     specforge` writes its prompts, draft config, vocabulary mapping and run config; its
     producer role sends every prompt to the live server (`spec_capture`), which writes each
@@ -304,24 +318,23 @@ def test_specforge_trains_online_from_a_live_server(trainers, tiny_path, work, i
     shim F1 applies in both; `fsdp_sharding=NO_SHARD` because FSDP needs an accelerator."""
     from sglang_hs.tools.online import SpecForgeOnline, specforge_index
 
-    with server(tiny_path, tmp_path, "specforge", "--export-mooncake-master", master.address,
-                "--export-mooncake-segment-gib", "0.125") as srv:
-        dest = str(tmp_path / "sf")
-        rep = specforge_index(str(work / "records.jsonl"), tiny_path, dest, SpecForgeOnline([srv.url], master.address))
-        assert rep.rows == ROWS and rep.train == f"specforge train -c {dest}/specforge.yaml"
-        over = ["training.fsdp_sharding=NO_SHARD", "training.log_interval=1", "training.max_steps=3",
-                "training.num_epochs=1", "data.dataloader_num_workers=0", f"data.cache_dir={tmp_path / 'cache'}"]
-        procs = {}
-        for role in ("producer", "consumer"):
-            with open(tmp_path / f"{role}.log", "w") as log:
-                procs[role] = subprocess.Popen(specforge_cmd("train", "-c", f"{dest}/specforge.yaml", "--role", role,
-                                                             *over), stdout=log, stderr=subprocess.STDOUT)
-        try:
-            for p in procs.values():
-                p.wait(timeout=600)
-        finally:
-            for p in procs.values():
-                p.kill()
+    srv = specforge_server
+    dest = str(tmp_path / "sf")
+    rep = specforge_index(str(work / "records.jsonl"), tiny_path, dest, SpecForgeOnline([srv.url], master.address))
+    assert rep.rows == ROWS and rep.train == f"specforge train -c {dest}/specforge.yaml"
+    over = ["training.fsdp_sharding=NO_SHARD", "training.log_interval=1", "training.max_steps=3",
+            "training.num_epochs=1", "data.dataloader_num_workers=0", f"data.cache_dir={tmp_path / 'cache'}"]
+    procs = {}
+    for role in ("producer", "consumer"):
+        with open(tmp_path / f"{role}.log", "w") as log:
+            procs[role] = subprocess.Popen(specforge_cmd("train", "-c", f"{dest}/specforge.yaml", "--role", role,
+                                                         *over), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for p in procs.values():
+            p.wait(timeout=600)
+    finally:
+        for p in procs.values():
+            p.kill()
     logs = {r: open(tmp_path / f"{r}.log").read() for r in procs}
     assert [p.returncode for p in procs.values()] == [0, 0], {r: t[-3000:] for r, t in logs.items()}
     assert f"produced={ROWS} prompts_failed=0" in logs["producer"], logs["producer"][-3000:]
