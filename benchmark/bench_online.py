@@ -80,8 +80,9 @@ def readers(master):
     args = argparse.Namespace(mooncake_master=master, mooncake_metadata_server="P2PHANDSHAKE",
                               mooncake_protocol="tcp", mooncake_device="", mooncake_global_segment_gib=0.0625,
                               mooncake_local_buffer_gib=1.0)
-    return {"file": FileTransfer(Path("/nonexistent")),  # online rows only: no cached hs_{i}
-            "mooncake": HiddenStatesBackend.registry["mooncake"].from_train_args(args, "/nonexistent")}
+    mooncake = HiddenStatesBackend.registry["mooncake"].from_train_args(args, "/nonexistent")
+    mooncake.setup()  # what each DataLoader worker does first
+    return {"file": FileTransfer(Path("/nonexistent")), "mooncake": mooncake}  # online rows only: no hs_{i}
 
 
 def main():
