@@ -108,7 +108,7 @@ for step in "$@"; do
          echo "specforge: rc=$?" | tee -a $OUT/online.txt; for f in $W/sf/*.log; do cp $f $OUT/specforge-$(basename $f); done
          pkill -x mooncake_master
          $T python3 benchmark/bench_online.py --gpu --model $M --rounds ${ROUNDS:-5} --prompts 64 --length 1024 \
-           --concurrency 32 --out $OUT/gpu_online_h200.json 2>&1 | tee $OUT/bench_online.txt ;;
+           --concurrency 32 --segment-gib 4 --out $OUT/gpu_online_h200.json 2>&1 | tee $OUT/bench_online.txt ;;
     *) $T python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac
