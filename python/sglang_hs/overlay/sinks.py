@@ -246,7 +246,9 @@ class SpeculatorsMooncakeSink:
             self.store.put_sample(manifest, tensors)
         except RuntimeError as e:  # a full segment, the master gone: the request fails, the server serves on
             m = _STATUS.search(str(e))  # hs-connectors says "... with status=N"
-            raise mooncake_failure(f"sample {st.rid}", int(m.group(1)) if m else 0, self.master) from None
+            if m is None:
+                raise ExportError(f"could not put sample {st.rid} into Mooncake: {e}", 503) from None
+            raise mooncake_failure(f"sample {st.rid}", int(m.group(1)), self.master) from None
         return Placed(bytes=total, answer=manifest)
 
     def close(self) -> None:
