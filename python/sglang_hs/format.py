@@ -21,8 +21,10 @@ from safetensors import safe_open
 from sglang_hs.protocol import DuplicateSampleError, SampleIdError
 
 # /2 adds fp8 planes with per-row scales and final rows at loss positions only; a /1 file is a
-# /2 file stored in the model's dtype with every final row, and reads the same.
-FORMAT_VERSION = "sglang-hs/2"
+# /2 file stored in the model's dtype with every final row, and reads the same. /3 adds
+# samples with decode rows (metadata prompt_tokens): one row fewer than tokens; a /2 file is a
+# /3 file without them.
+FORMAT_VERSION = "sglang-hs/3"
 EXPORT_JSON = "export.json"
 MANIFEST = "manifest.jsonl"
 FILES_PER_SHARD = 10_000
@@ -282,6 +284,28 @@ def decode_sample(t: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, t
     return t
 
 
+def num_rows(num_tokens: int, meta: Mapping[str, str]) -> int:
+    """Rows of a sample of num_tokens tokens: one per token, but a sample with decode rows
+    (metadata prompt_tokens: where the generated tokens start) has none for its last token,
+    which the model generated and no forward ever computed."""
+    return num_tokens - 1 if meta.get("prompt_tokens") is not None else num_tokens
+
+
+def row_at_every_token(t: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A sample (as stored or decoded) with a row for every token: a sample with decode rows
+    gets a zero row (fp8: scale 1) for its last token, which predicts nothing (no token
+    follows it), as layouts of one row per token need."""
+    n = t["token_ids"].shape[0]
+    out = dict(t)
+    for key in ("aux_hidden_states", "final_hidden_states", *SCALE_KEYS):
+        x = out.get(key)
+        if x is None or x.shape[0] != n - 1 or (key.startswith("final") and "final_positions" in t):
+            continue
+        pad = torch.zeros((1, *x.shape[1:]), dtype=torch.float32)
+        out[key] = torch.cat([x, (pad + 1 if key in SCALE_KEYS else pad).to(x.dtype)])
+    return out
+
+
 def final_at_every_position(t: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """[T, H]: the final rows of a decoded sample at their positions, zeros where the export
     kept none (`--export-final-rows loss`: positions outside the loss mask)."""
@@ -427,6 +451,8 @@ def sample_errors(info: Mapping, sid: str, path: str, num_tokens: Optional[int] 
     dtype = storage.row_dtype(model_dtype) if model_dtype is not None or storage.dtype else None
     tok, aux, fin = t["token_ids"], t["aux_hidden_states"], t["final_hidden_states"]
     n = tok.shape[0] if tok.dim() == 1 else -1
+    rows = num_rows(n, meta)
+    prompt = meta.get("prompt_tokens")
     lm = t.get("loss_mask")
     pos = t.get("final_positions")
     if storage.final_rows == "loss":
@@ -434,13 +460,15 @@ def sample_errors(info: Mapping, sid: str, path: str, num_tokens: Optional[int] 
             return [f"final rows are kept at loss positions only, but the file has no "
                     f"{'loss_mask' if lm is None else 'final_positions'}"], n
         r = pos.shape[0]
-        at_loss = torch.nonzero(lm.to(torch.int64) == 1).flatten()
+        at_loss = torch.nonzero(lm[:rows].to(torch.int64) == 1).flatten()
         pos_ok = pos.dtype == torch.int64 and pos.dim() == 1 and torch.equal(pos, at_loss)
     else:
-        r, pos_ok = n, pos is None
+        r, pos_ok = rows, pos is None
     checks = [
         (tok.dim() == 1 and not tok.is_floating_point(), f"token_ids {tuple(tok.shape)} {tok.dtype}"),
-        (tuple(aux.shape) == (n, k_aux, hidden), f"aux_hidden_states {tuple(aux.shape)} != {(n, k_aux, hidden)}"),
+        (prompt is None or (prompt.isdigit() and 0 < int(prompt) < n),
+         f"metadata prompt_tokens {prompt!r} must be a count of prompt tokens below {n}"),
+        (tuple(aux.shape) == (rows, k_aux, hidden), f"aux_hidden_states {tuple(aux.shape)} != {(rows, k_aux, hidden)}"),
         (tuple(fin.shape) == (r, hidden), f"final_hidden_states {tuple(fin.shape)} != {(r, hidden)}"),
         (dtype is None or (aux.dtype == dtype and fin.dtype == dtype), f"dtype {aux.dtype}/{fin.dtype} != {dtype}"),
         (pos_ok, "final_positions must be the loss mask's positions (int64), and only with --export-final-rows loss"),
@@ -452,8 +480,8 @@ def sample_errors(info: Mapping, sid: str, path: str, num_tokens: Optional[int] 
     if storage.scaled:
         a_s, f_s = scales
         checks.append((a_s is not None and f_s is not None and a_s.dtype == f_s.dtype == torch.float32
-                       and tuple(a_s.shape) == (n, k_aux) and tuple(f_s.shape) == (r,),
-                       f"fp8 planes need float32 scales [{n}, {k_aux}] and [{r}]"))
+                       and tuple(a_s.shape) == (rows, k_aux) and tuple(f_s.shape) == (r,),
+                       f"fp8 planes need float32 scales [{rows}, {k_aux}] and [{r}]"))
         if check_values and a_s is not None and f_s is not None:
             checks.append((bool(torch.isfinite(a_s).all() and torch.isfinite(f_s).all()
                                 and (a_s > 0).all() and (f_s > 0).all()), "scales must be finite and > 0"))

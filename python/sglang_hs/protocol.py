@@ -57,9 +57,12 @@ class RequestOptions:
     # SpecForge's per-request `spec_capture` entry (where its Mooncake objects go), moved here
     # from the /generate body by the HTTP process; see check_spec_capture.
     specforge: Optional[Dict[str, Any]] = None
+    # Decode rows: the generated tokens' rows too, kept as they are decoded; the sample is
+    # written when the request finishes and holds prompt and answer (format: README).
+    decode_rows: bool = False
 
 
-_OPTION_KEYS = {"export", "loss_mask", "metadata", "call_id", "specforge"}
+_OPTION_KEYS = {"export", "loss_mask", "metadata", "call_id", "specforge", "decode_rows"}
 
 
 def check_spec_capture(entry: object) -> Dict[str, Any]:
@@ -88,20 +91,21 @@ def check_spec_capture(entry: object) -> Dict[str, Any]:
 
 
 def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
-    """Read `sampling_params.custom_params["sglang_hs"]`: {"export", "loss_mask", "metadata"}
-    (and "call_id", which the server sets itself)."""
+    """Read `sampling_params.custom_params["sglang_hs"]`: {"export", "loss_mask", "metadata",
+    "decode_rows"} (and "call_id", which the server sets itself)."""
     raw = (custom_params or {}).get(REQUEST_KEY) if isinstance(custom_params, dict) else None
     if raw is None:
         return RequestOptions()
     if not isinstance(raw, dict) or set(raw) - _OPTION_KEYS:
         raise RequestOptionsError(
             f"custom_params[{REQUEST_KEY!r}] must be a dict with keys export (bool), "
-            f"loss_mask (list of 0/1, one per prompt token), metadata (dict); got {raw!r:.200}"
+            f"loss_mask (list of 0/1, one per prompt token), metadata (dict), decode_rows (bool); got {raw!r:.200}"
         )
-    export = raw.get("export", True)
-    if not isinstance(export, bool):  # bool("false") is True: a string must not mean yes
-        raise RequestOptionsError(f"export must be true or false (a JSON boolean); got {export!r:.50}")
-    opts = RequestOptions(export=export, call_id=raw.get("call_id"))
+    flags = {k: raw.get(k, d) for k, d in (("export", True), ("decode_rows", False))}
+    for k, v in flags.items():
+        if not isinstance(v, bool):  # bool("false") is True: a string must not mean yes
+            raise RequestOptionsError(f"{k} must be true or false (a JSON boolean); got {v!r:.50}")
+    opts = RequestOptions(call_id=raw.get("call_id"), **flags)
     if raw.get("specforge") is not None:
         opts.specforge = check_spec_capture(raw["specforge"])
     lm = raw.get("loss_mask")

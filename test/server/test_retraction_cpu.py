@@ -1,6 +1,7 @@
 """Retraction on a real server: with little KV memory and an optimistic scheduler, SGLang
 retracts running requests during decode and later prefills prompt + output again. The
-export must still hold each prompt's rows once, exact against HF transformers."""
+export must still hold each prompt's rows once (with decode rows, each position of prompt
+and answer once), exact against HF transformers."""
 
 import concurrent.futures as cf
 import random
@@ -28,20 +29,24 @@ def tight_server(tiny_path, tmp_path_factory):
 def test_retracted_requests_are_exported_once_and_exact(tight_server):
     srv = tight_server
     rng = random.Random(3)
-    prompts, retracted = {}, []
+    prompts, retracted, decoding = {}, [], set()
     for rnd in range(3):  # retraction depends on scheduling; a round rarely goes without one
         batch = {f"rt{rnd}-{i}": [rng.randrange(3, 49152) for _ in range(150 + 10 * i)] for i in range(8)}
+        decoding = decoding | {f"rt{rnd}-{i}" for i in range(0, 8, 2)}
         prompts.update(batch)
 
-        def send(rid):
+        def send(rid):  # every other request with decode rows: its answer's rows must survive retraction too
             return rid, srv.generate({"rid": rid, "input_ids": batch[rid], "sampling_params": {
-                "max_new_tokens": 300, "temperature": 0, "ignore_eos": True}})
+                "max_new_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "custom_params": {"sglang_hs": {"decode_rows": rid in decoding}}}})
 
         with cf.ThreadPoolExecutor(8) as ex:
             for rid, r in ex.map(send, batch):
                 assert r.status_code == 200, r.text
                 mi = r.json()["meta_info"]
-                assert mi["hidden_states_export"]["num_tokens"] == len(batch[rid])
+                if rid in decoding:
+                    prompts[rid] = batch[rid] + r.json()["output_ids"]
+                assert mi["hidden_states_export"]["num_tokens"] == len(prompts[rid])
                 if mi.get("num_retractions", 0) > 0:
                     retracted.append(rid)
         if retracted:
@@ -52,6 +57,7 @@ def test_retracted_requests_are_exported_once_and_exact(tight_server):
         # also at max_new_tokens 600. The oldest release of the window (CI's core run) must.
         pytest.skip(f"SGLang {installed()} retracted no request under this load")
     assert retracted, "no request was retracted; the test did not exercise retraction"
+    assert any(r in decoding for r in retracted), f"no request with decode rows was retracted: {retracted}"
     rep = validate_export(srv.export_dir, expected_tokens=prompts)
     assert rep.ok and rep.samples == len(prompts), rep.errors
     v = verify_export(srv.export_dir, samples=None)

@@ -24,6 +24,7 @@ from sglang_hs.tools.verify import hf_planes, load_hf, verify_export
 
 pytestmark = pytest.mark.server
 AUX = [1, 3, 7]
+DECODE_RID = "tp-decode"
 
 
 def prompt_set():
@@ -37,8 +38,14 @@ def run(srv, ids):
     def send(rid):
         return rid, srv.generate({"rid": rid, "input_ids": ids[rid], "sampling_params": {"max_new_tokens": 2}})
 
-    with cf.ThreadPoolExecutor(6) as ex:
-        for rid, r in ex.map(send, [r for r in ids if r != "tp-shared"]):
+    def send_decode():  # decode rows: tp-4's prompt and a greedy answer, decoded beside the others
+        return DECODE_RID, srv.generate({"rid": DECODE_RID, "input_ids": ids["tp-4"], "sampling_params": {
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "custom_params": {"sglang_hs": {"decode_rows": True}}}})
+
+    with cf.ThreadPoolExecutor(7) as ex:
+        decoding = ex.submit(send_decode)
+        for rid, r in [*ex.map(send, [r for r in ids if r != "tp-shared"]), decoding.result()]:
             assert r.status_code == 200, r.text
     rid, r = send("tp-shared")  # after tp-5 is in the prefix cache
     assert r.status_code == 200, r.text
@@ -80,7 +87,12 @@ def planes(t):
 @pytest.mark.core
 def test_tp2_samples_equal_tp1_and_match_hf(tp1_out, tp2, tiny_path):
     a, b = samples(tp1_out), samples(tp2.export_dir)
-    assert sorted(a) == sorted(b) == sorted(prompt_set())
+    assert sorted(a) == sorted(b) == sorted([*prompt_set(), DECODE_RID])
+    for t in (a[DECODE_RID], b[DECODE_RID]):  # prompt and answer; one row fewer than tokens
+        assert t["token_ids"][:200].tolist() == prompt_set()["tp-4"] and len(t["token_ids"]) == 206
+        assert t["aux_hidden_states"].shape[0] == t["final_hidden_states"].shape[0] == 205
+    if not torch.equal(a[DECODE_RID]["token_ids"], b[DECODE_RID]["token_ids"]):
+        del a[DECODE_RID]  # a near tie of a random model's logits went the other way: nothing to pair
     # "Within bf16 tolerance": the all-reduce sums the two halves in another order, so TP2
     # may differ from TP1 by rounding, measured against the rounding of HF's own bf16 forward
     # (vs its fp32 forward) on the same tokens; at most twice that, as verify allows vs HF.
@@ -89,9 +101,9 @@ def test_tp2_samples_equal_tp1_and_match_hf(tp1_out, tp2, tiny_path):
     for rid in a:
         assert torch.equal(a[rid]["token_ids"], b[rid]["token_ids"])
         x, y = planes(a[rid]), planes(b[rid])
-        ref = hf_planes(fp32, a[rid]["token_ids"], AUX)
+        ref = hf_planes(fp32, a[rid]["token_ids"], AUX)[: x.shape[0]]
         diff += float((x - y).pow(2).sum())
-        hf_err += float((hf_planes(bf16, a[rid]["token_ids"], AUX) - ref).pow(2).sum())
+        hf_err += float((hf_planes(bf16, a[rid]["token_ids"], AUX)[: x.shape[0]] - ref).pow(2).sum())
         cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
         assert float(cos.min()) > 0.999, f"{rid}: a TP2 row points elsewhere than TP1's (cosine {float(cos.min())})"
     assert diff ** 0.5 <= 2 * hf_err ** 0.5, f"TP2 - TP1 {diff ** 0.5:.3e} vs HF bf16 - fp32 {hf_err ** 0.5:.3e}"

@@ -75,6 +75,11 @@ f["sglang_version"] = __import__("sglang").__version__
 f["req_init_source"] = inspect.getsource(Req.__init__)
 f["model_runner_init_source"] = inspect.getsource(ModelRunner.__init__) + inspect.getsource(ModelRunner)
 f["generate_req_fields"] = [x.name for x in dataclasses.fields(GenerateReqInput)]
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
+
+f["generation_batch_result_fields"] = [x.name for x in dataclasses.fields(GenerationBatchResult)]
+f["logits_metadata_fields"] = [x.name for x in dataclasses.fields(
+    __import__("sglang.srt.layers.logits_processor", fromlist=["LogitsMetadata"]).LogitsMetadata)]
 # Our request options ride in SamplingParams.custom_params: it must accept and keep a dict.
 f["custom_params_round_trip"] = SamplingParams(custom_params={"sglang_hs": {"export": False}}).custom_params
 f["health_prefix"] = constants.HEALTH_CHECK_RID_PREFIX

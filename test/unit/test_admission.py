@@ -224,3 +224,11 @@ def test_only_a_specforge_server_takes_spec_capture_and_it_exports_nothing_else(
     with pytest.raises(RequestOptionsError, match="--export-sink specforge"):
         admit(["a"], asked, 1, False, set(), "c1", sink="directory")
     assert admit(["a"], [{}], 1, False, set(), "c1", sink="specforge").rids == []
+
+
+def test_decode_rows_are_taken_by_the_directory_sink_only():
+    asked = lambda: [{"custom_params": {REQUEST_KEY: {"decode_rows": True}}}]  # noqa: E731
+    assert admit(["a"], asked(), 1, False, set(), "c1").rids == ["a"]
+    for sink in ("speculators-file", "speculators-mooncake"):
+        with pytest.raises(RequestOptionsError, match="decode_rows, which only the directory sink"):
+            admit(["a"], asked(), 1, False, set(), "c1", sink=sink)

@@ -229,21 +229,22 @@ def test_fp8_rows_of_hidden_state_statistics_keep_cosine_above_0999():
     assert float(cos.mean()) >= 0.9995 and float(cos.min()) >= 0.999
 
 
-def storage_export(tmp_path, storage, overrides=None):
-    """A directory of two fp8/loss-row samples written the way the writer lays them out."""
+def storage_export(tmp_path, storage, overrides=None, decode_rows=False):
+    """A directory of two fp8/loss-row samples written the way the writer lays them out;
+    decode_rows: 5 rows of 6 tokens (3 prompt tokens, 3 generated)."""
     d = str(tmp_path)
     os.makedirs(d, exist_ok=True)
     write_test_export_json(d, H, export_dtype=storage.dtype, final_rows=storage.final_rows)
     fd = open_manifest(d)
     os.makedirs(os.path.join(d, "dp0-00000"))
-    mask = torch.tensor([0, 1, 1, 0, 1], dtype=torch.uint8)
-    pos = torch.nonzero(mask).flatten()
+    mask = torch.tensor([0, 1, 1, 0, 1] + [1] * decode_rows, dtype=torch.uint8)
+    pos = torch.nonzero(mask[:5]).flatten()
     for i in range(2):
         sid = f"s{i}"
         aux, fin = torch.randn(5, K, H).bfloat16(), torch.randn(5, H).bfloat16()
         if storage.final_rows == "loss":
             fin = fin[pos]
-        t = {"token_ids": torch.arange(5), "loss_mask": mask}
+        t = {"token_ids": torch.arange(5 + decode_rows), "loss_mask": mask}
         if storage.scaled:
             (qa, sa), (qf, sf) = quantize_rows(aux), quantize_rows(fin)
             t |= {"aux_hidden_states": qa, "aux_hidden_states_scale": sa, "final_hidden_states": qf,
@@ -254,8 +255,9 @@ def storage_export(tmp_path, storage, overrides=None):
             t["final_positions"] = pos
         t.update((overrides or {}).get(sid, {}))
         rel = f"dp0-00000/{sid}.safetensors"
-        write_sample_file(os.path.join(d, rel), t, {"id": sid, "aux_layer_ids": json.dumps([2, 5, 7])})
-        append_manifest(fd, sid, rel, 5)
+        meta = {"id": sid, "aux_layer_ids": json.dumps([2, 5, 7])} | ({"prompt_tokens": "3"} if decode_rows else {})
+        write_sample_file(os.path.join(d, rel), t, meta)
+        append_manifest(fd, sid, rel, 5 + decode_rows)
     os.close(fd)
     return d
 
@@ -293,3 +295,32 @@ def test_a_directory_of_another_storage_is_refused(tmp_path):
         check_compatible(old, {"export_dtype": "fp8_e4m3"})
     with pytest.raises(ValueError, match="final_rows"):
         check_compatible(info, {"final_rows": "loss"})
+
+
+@pytest.mark.parametrize("storage", [Storage(), Storage("fp8_e4m3"), Storage(None, "loss"), Storage("fp8_e4m3", "loss")])
+def test_decode_row_samples_have_no_row_for_the_last_token_and_read_with_one(tmp_path, storage):
+    from sglang_hs.format import load_sample, row_at_every_token
+
+    d = storage_export(tmp_path, storage, decode_rows=True)
+    rep = validate_export(d, expected_tokens={"s0": list(range(6)), "s1": list(range(6))})
+    assert rep.ok, rep.errors
+    raw = load_sample(os.path.join(d, "dp0-00000/s0.safetensors"))
+    full = row_at_every_token(raw)
+    assert full["aux_hidden_states"].shape[0] == 6
+    assert torch.equal(full["aux_hidden_states"][:5].float(), raw["aux_hidden_states"].float())
+    assert not full["aux_hidden_states"][5].float().any()
+    if storage.scaled:
+        assert full["aux_hidden_states_scale"][5].tolist() == [1.0] * K
+    if storage.final_rows == "loss":  # loss-position rows keep their positions
+        assert torch.equal(full["final_hidden_states"].float(), raw["final_hidden_states"].float())
+    else:
+        assert full["final_hidden_states"].shape[0] == 6
+
+
+def test_validator_checks_decode_rows_against_prompt_tokens(tmp_path):
+    d = storage_export(tmp_path / "a", Storage(), {"s0": {"aux_hidden_states": torch.randn(6, K, H).bfloat16()}},
+                       decode_rows=True)
+    assert "aux_hidden_states (6, 3, 8) != (5, 3, 8)" in "\n".join(validate_export(d).errors)
+    # Without prompt_tokens a sample has a row for every token.
+    d = storage_export(tmp_path / "b", Storage(), {"s0": {"token_ids": torch.arange(6)}})
+    assert "aux_hidden_states (5, 3, 8) != (6, 3, 8)" in "\n".join(validate_export(d).errors)

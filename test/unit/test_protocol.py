@@ -16,8 +16,11 @@ def test_request_options():
     o = parse_request_options({"sglang_hs": {"loss_mask": [0, 1], "metadata": {"src": "x"}}})
     assert o.loss_mask == [0, 1] and o.metadata == {"src": "x"}
     assert not parse_request_options({"sglang_hs": {"export": False}}).export
+    assert parse_request_options({"sglang_hs": {"decode_rows": True}}).decode_rows
+    assert not parse_request_options(None).decode_rows
     for bad in ({"loss_mask": [0, 2]}, {"loss_mask": "11"}, {"metadata": [1]}, {"nope": 1},
-                {"metadata": {"x": "y" * 20000}}, {"export": "false"}, {"export": 0}, {"export": None}):
+                {"metadata": {"x": "y" * 20000}}, {"export": "false"}, {"export": 0}, {"export": None},
+                {"decode_rows": "true"}, {"decode_rows": 1}):
         with pytest.raises(RequestOptionsError):
             parse_request_options({"sglang_hs": bad})
 

@@ -1,15 +1,17 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
-from sglang_hs.overlay.rows import RequestState, build_sample, gather_rows, plan_forward, split_rows
-from sglang_hs.overlay.staging import Piece
+from sglang_hs.overlay.rows import RequestState, build_sample, gather_rows, plan_decode, plan_forward, split_rows
+from sglang_hs.overlay.staging import GraphRows, Piece
 from sglang_hs.protocol import RequestOptions, RequestOptionsError
 
 H, K = 4, 2
 
 
-def state(rid, n):
-    return RequestState(rid=rid, prompt_ids=list(range(100, 100 + n)), options=RequestOptions())
+def state(rid, n, decode_rows=False):
+    return RequestState(rid=rid, prompt_ids=list(range(100, 100 + n)), options=RequestOptions(decode_rows=decode_rows))
 
 
 def forward_rows(positions_per_req):
@@ -24,8 +26,17 @@ def forward_rows(positions_per_req):
 def run(states, prefix, extend, piece_rows=3):
     """One forward: plan, make rows for every extend token, stage the planned ones in pieces
     of `piece_rows` rows (as slabs would), and hand them to the requests."""
-    rows, segs, failed = plan_forward(states, prefix, extend)
-    positions = [list(range(p, p + e)) for p, e in zip(prefix, extend)]
+    return stage(plan_forward(states, prefix, extend), [list(range(p, p + e)) for p, e in zip(prefix, extend)],
+                 piece_rows)
+
+
+def run_decode(states, seq_lens, piece_rows=3):
+    """One decode forward: request i feeds the token at position seq_lens[i] - 1."""
+    return stage(plan_decode(states, seq_lens), [[n - 1] for n in seq_lens], piece_rows)
+
+
+def stage(plan, positions, piece_rows):
+    rows, segs, failed = plan
     all_rows = forward_rows(positions)
     host = all_rows[torch.tensor(rows, dtype=torch.long)] if rows else all_rows
     staged = [Piece(host[a:a + piece_rows, :K].contiguous(), host[a:a + piece_rows, K].contiguous())
@@ -120,3 +131,111 @@ def test_build_sample_shapes_and_loss_mask():
     a.options.loss_mask = [1]
     with pytest.raises(RequestOptionsError, match="one 0/1 per prompt token"):
         build_sample(a)
+
+
+def test_decode_rows_follow_the_prompt_and_complete_when_the_request_finishes():
+    a, b = state("a", 3, decode_rows=True), state("b", 2)
+    assert run([a, b], [0, 0], [3, 2])[0] == [b]  # a prompt-only sample is complete; a decodes on
+    assert not a.planned and a.prefix_cap(9) == 3
+    assert run_decode([a, b], [4, 3])[0] == []  # feeds a's first generated token (position 3)
+    run_decode([a, b], [5, 4])
+    assert positions_of(a, 0) == [0, 1, 2, 3, 4] and not a.complete
+    assert a.finish([7, 8, 9]) is None  # 3 tokens generated: the last one never went through a forward
+    assert a.complete and a.planned and a.num_tokens == 6 and a.num_rows == 5
+    t = build_sample(a)
+    assert t["token_ids"].tolist() == [100, 101, 102, 7, 8, 9]
+    assert torch.cat(t["aux_hidden_states"]).shape == (5, K, H)
+
+
+def test_finishing_with_a_missing_decode_row_fails_instead_of_writing_a_hole():
+    a = state("a", 3, decode_rows=True)
+    run([a], [0], [3])
+    assert "positions 0..2 of 0..3" in a.finish([7, 8])
+
+
+def test_a_decode_row_past_a_missing_one_fails_the_sample():
+    a = state("a", 3, decode_rows=True)
+    run([a], [0], [3])
+    _, failed = run_decode([a], [6])
+    assert failed == [a] and a.dropped and "never computed" in a.error
+
+
+def test_loss_mask_covers_the_answer():
+    a = RequestState(rid="a", prompt_ids=[5, 6], options=RequestOptions(loss_mask=[0, 0], decode_rows=True))
+    run([a], [0], [2])
+    run_decode([a], [3])
+    a.finish([1, 2])
+    assert build_sample(a)["loss_mask"].tolist() == [0, 0, 1, 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=hs.integers(1, 12), answer=hs.integers(1, 10), chunk=hs.integers(1, 8), piece=hs.integers(1, 4),
+       retract_at=hs.lists(hs.integers(0, 9), max_size=3), reuse=hs.lists(hs.integers(0, 30), min_size=3, max_size=3),
+       overshoot=hs.booleans(), steps_per_round=hs.integers(1, 3))
+def test_decode_rows_cover_every_position_exactly_once(prompt, answer, chunk, piece, retract_at, reuse, overshoot,
+                                                       steps_per_round):
+    """A request's life as the scheduler runs it: chunked prefill, decode steps (several per
+    scheduling round, as --num-continuous-decode-steps), retractions that prefill prompt and
+    answer again from whatever prefix the cap allows, and under overlap scheduling one more
+    decode forward after the last token. Two tensor-parallel ranks plan alike; the writer's
+    sample holds rows 0..T-2, each once."""
+    ranks = [state("a", prompt, decode_rows=True), state("a", prompt, decode_rows=True)]
+    writer = ranks[0]
+    caps = [[], []]
+    for r, st in enumerate(ranks):
+        out = []  # generated tokens so far
+        pos = 0
+        while pos < prompt:  # chunked prefill of the prompt; the last chunk samples the first token
+            e = min(chunk, prompt - pos)
+            (run if r == 0 else plan_only)([st], [pos], [e], piece)
+            pos += e
+        out.append(0)
+        retractions = iter(sorted(set(retract_at)))
+        next_retract = next(retractions, None)
+        while len(out) < answer:
+            for _ in range(steps_per_round):
+                if len(out) >= answer:
+                    break
+                seq_len = prompt + len(out)  # the decode step feeds out[-1] at position seq_len - 1
+                (run_decode if r == 0 else plan_decode_only)([st], [seq_len], piece)
+                out.append(len(out))
+            if next_retract is not None and len(out) - 1 >= next_retract and len(out) < answer:
+                # retracted: KV freed; later it prefills prompt + answer so far, reusing what the cap allows
+                fill = prompt + len(out)
+                cap = st.prefix_cap(min(reuse[len(caps[r]) % 3], fill - 1))
+                caps[r].append(cap)
+                (run if r == 0 else plan_only)([st], [cap], [fill - cap], piece)
+                out.append(len(out))  # the re-prefill samples the next token
+                next_retract = next(retractions, None)
+        if overshoot:  # overlap scheduling ran one decode forward past the end before the finish was seen
+            (run_decode if r == 0 else plan_decode_only)([st], [prompt + len(out)], piece)
+        error = st.finish(out)  # a rank that does not write holds no rows: only the writer's answer counts
+        assert error is None or r == 1
+    assert caps[0] == caps[1]  # every rank reuses the same prefix
+    assert writer.complete and writer.num_rows == prompt + answer - 1
+    assert positions_of(writer, 0) == list(range(prompt + answer - 1))
+
+
+def plan_only(states, prefix, extend, piece_rows):
+    plan_forward(states, prefix, extend)
+
+
+def plan_decode_only(states, seq_lens, piece_rows):
+    plan_decode(states, seq_lens)
+
+
+def test_graph_rows_hold_each_replay_s_rows_for_the_planned_gather():
+    """The static buffers a decode graph writes: recorded at the largest bucket, refilled by a
+    smaller one, gathered as the eager rows are (packed and list aux alike)."""
+    g = GraphRows(K)
+    big = torch.randn(8, H), [torch.randn(8, H) for _ in range(K)]
+    g.record(*big)
+    small = torch.randn(3, H), torch.randn(3, K * H)
+    g.record(*small)
+    idx = torch.tensor([2, 0])
+    assert all(torch.equal(x, y) for x, y in zip(gather_rows(g.final, g.aux, idx, K),
+                                                 gather_rows(small[0], small[1], idx, K)))
+    with pytest.raises(RuntimeError, match="capture order"):
+        g.record(torch.randn(9, H), torch.randn(9, K * H))
+    with pytest.raises(RuntimeError, match="aux layers"):
+        g.record(torch.randn(2, H), [torch.randn(2, H)])

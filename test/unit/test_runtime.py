@@ -237,3 +237,54 @@ def test_every_prompt_position_lands_once_and_every_slab_comes_back(data, length
             assert torch.equal(code, want) and bool((plane == FINAL_PLANE).all())
         rep = validate_export(d)
         assert rep.ok, rep.errors
+
+
+DECODE = {"sglang_hs": {"decode_rows": True}}
+
+
+def decode(rt, st, seq_len, graph=False):
+    """One decode forward of this request alone: eagerly the hook sees the rows; after a
+    graph replay only the graph's static rows hold them."""
+    rows = torch.randn(1, H)
+    if graph:
+        rt.capture_decode_graph(rows, [rows])  # what the replay left in the static buffers
+    if rt.begin_decode([st], [seq_len]):
+        if not graph:
+            rt.stage(rows, [rows])
+        rt.end_forward(graph_ran=graph)
+    return rows
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_decode_rows_are_written_when_the_request_finishes(ranks, graph):
+    from sglang_hs.format import load_sample, read_manifest
+
+    w, n, msgs = ranks
+    sw, sn = w.new_state("d", PROMPT, DECODE, lambda: False), n.new_state("d", PROMPT, DECODE, lambda: False)
+    for rt, st in ((w, sw), (n, sn)):
+        forward(rt, st, 0, 10)
+    got = [decode(w, sw, 11 + i, graph) for i in range(3)]
+    for i in range(3):
+        decode(n, sn, 11 + i)
+    w.writer.flush()
+    assert not msgs  # still generating: nothing written
+    for rt, st in ((w, sw), (n, sn)):
+        rt.finish(st, [7, 8, 9, 10], aborted=False)
+    w.writer.flush()
+    assert [(m.rid, m.ok, m.num_tokens) for m in msgs] == [("d", True, 14)]
+    entry, = read_manifest(w.writer.sink.out_dir)
+    t = load_sample(os.path.join(w.writer.sink.out_dir, entry["path"]))
+    assert t["token_ids"].tolist() == PROMPT + [7, 8, 9, 10] and t["aux_hidden_states"].shape == (13, 1, H)
+    assert torch.equal(t["final_hidden_states"][10:], torch.cat(got))
+    caps_agree(ranks, sw, sn, 12)
+
+
+def test_a_request_aborted_while_decoding_writes_nothing(ranks):
+    w, n, msgs = ranks
+    sw = w.new_state("d", PROMPT, DECODE, lambda: False)
+    forward(w, sw, 0, 10)
+    decode(w, sw, 11)
+    w.finish(sw, [7, 8], aborted=True)
+    w.writer.flush()
+    assert [(m.rid, m.aborted) for m in msgs] == [("d", True)]
+    assert w.writer.pool.in_use == 0

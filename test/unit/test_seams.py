@@ -31,6 +31,7 @@ EXPECTED_PARAMS = {
     "sglang.srt.server_args.ServerArgs.from_cli_args": ["cls", "args"],
     "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends": ["self"],
     "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len": ["self", "input_len"],
+    "sglang.srt.managers.schedule_batch.Req.update_finish_state": ["self", "new_accepted_len"],
     "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation": ["self", "batch", "forward_batch"],
     "sglang.srt.layers.logits_processor.LogitsProcessor.forward":
         ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"],
@@ -121,11 +122,14 @@ def test_seam_target_resolves_and_our_hook_is_applied(probe, target):
 
 
 def test_upstream_facts_the_hooks_rely_on(probe):
-    for field in ("reqs", "prefix_lens", "extend_lens", "forward_mode"):
+    for field in ("reqs", "prefix_lens", "extend_lens", "forward_mode", "seq_lens_cpu"):
         assert field in probe["schedule_batch_fields"]
-    for attr in ("self.origin_input_ids", "self.finished_reason", "self.to_finish", "self.sampling_params",
-                 "self.rid"):
+    for attr in ("self.origin_input_ids", "self.output_ids", "self.finished_reason", "self.to_finish",
+                 "self.sampling_params", "self.rid"):
         assert attr in probe["req_init_source"]
+    # Decode rows: which forward replayed a CUDA graph, and the LogitsProcessor's forward mode.
+    assert "can_run_cuda_graph" in probe["generation_batch_result_fields"]
+    assert "forward_mode" in probe["logits_metadata_fields"]
     for attr in ("self.is_draft_worker", "self.model_config", "self.server_args", "self.dtype"):
         assert attr in probe["model_runner_init_source"]
     for field in ("rid", "sampling_params", "input_embeds"):

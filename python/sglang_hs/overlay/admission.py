@@ -109,6 +109,9 @@ def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_
                                       f"'{sink}': start it with --export-sink specforge for SpecForge")
         if has_input_embeds:
             raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
+        if opts.decode_rows and sink != "directory":
+            raise RequestOptionsError(f"request {rid!r} asks for decode_rows, which only the directory sink writes "
+                                      f"yet; this server hands samples to '{sink}'")
         check_sample_id(rid)
         if need_loss_mask and opts.loss_mask is None:
             raise RequestOptionsError(

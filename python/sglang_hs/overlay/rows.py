@@ -1,6 +1,12 @@
 """Row planning: which rows of a forward belong to which request, and stitching a request's
 pieces (its rows, forward after forward) into one sample.
 
+A row is a position of the request's sequence. A prompt-only sample has the rows of its prompt
+positions and is complete when the whole prompt went through forwards. With decode rows, the
+rows of generated tokens follow, one per decode step (or many, when a retracted request
+prefills its prompt and answer again); the sample is complete when the request finishes, with
+one row fewer than tokens: the last generated token never goes through a forward.
+
 Plain Python/torch: the seams feed it numbers read off SGLang's batch, so every rule here
 (chunked prefill, retraction, prefix caps, aborted requests) is unit-tested without a server.
 """
@@ -24,10 +30,12 @@ class RequestState:
     rid: str
     prompt_ids: Sequence[int]
     options: RequestOptions
-    next_pos: int = 0  # prompt positions [0, next_pos) have gone through a forward
-    # Planning is over: the whole prompt went through forwards, or planning failed it. Set
-    # only by plan_forward, identically on every rank, because prefix_cap reads it there.
+    next_pos: int = 0  # positions [0, next_pos) have gone through a forward
+    # Planning is over: the whole prompt went through forwards (decode rows: the request
+    # finished), or planning failed it. Set identically on every rank, because prefix_cap
+    # reads it there.
     planned: bool = False
+    output_ids: Optional[List[int]] = None  # decode rows: the generated tokens, once finished
     # The writer keeps no rows for it and has reported its outcome (failed or aborted).
     # Writer rank only: planning goes on, so every rank still caps its prefix alike.
     dropped: bool = False
@@ -41,6 +49,33 @@ class RequestState:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def decode_rows(self) -> bool:
+        return self.options.decode_rows
+
+    @property
+    def token_ids(self) -> List[int]:
+        """The sample's true sequence: the prompt, then (decode rows) what was generated."""
+        return [*self.prompt_ids, *(self.output_ids or ())]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_ids or ())
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the finished sample holds: every prompt position, plus (decode rows) every
+        generated position but the last, whose state no forward computes."""
+        if self.output_ids:
+            return self.prompt_len + len(self.output_ids) - 1
+        return self.prompt_len
+
+    @property
+    def complete(self) -> bool:
+        if self.decode_rows and self.output_ids is None:
+            return False  # still generating
+        return self.rows_held == self.num_rows
 
     def prefix_cap(self, upstream_max: int) -> int:
         """Cached prefix tokens never pass through the forward, so an exported request may
@@ -65,21 +100,40 @@ class RequestState:
         self.dropped = True
 
     def add_rows(self, start: int, pieces: Sequence[Piece]) -> None:
-        """Rows for prompt positions [start, ...); a restart at start < held (re-prefill
-        after retraction) replaces the overlap instead of duplicating it."""
+        """Rows for positions [start, ...); a restart at start < held (re-prefill after
+        retraction) replaces the overlap instead of duplicating it."""
         if start < self.rows_held:
-            keep, kept = start, []
-            for p in self.pieces:
-                if keep > 0:
-                    kept.append(p.head(keep))
-                    keep -= p.rows
-                else:
-                    p.release()
-            self.pieces, self.rows_held = kept, start
+            self.keep_rows(start)
         assert start == self.rows_held, (start, self.rows_held)
         for p in pieces:
             self.pieces.append(p)
             self.rows_held += p.rows
+
+    def keep_rows(self, n: int) -> None:
+        """Keep the rows of positions [0, n) and release the others."""
+        keep, kept = n, []
+        for p in self.pieces:
+            if keep > 0:
+                kept.append(p.head(min(keep, p.rows)))
+                keep -= p.rows
+            else:
+                p.release()
+        self.pieces, self.rows_held = kept, min(n, self.rows_held)
+
+    def finish(self, output_ids: Sequence[int]) -> Optional[str]:
+        """Decode rows: the request finished with these generated tokens. Rows of later
+        positions (an overlap-scheduled forward that ran past the end) are released; returns
+        why the sample cannot be written, if rows are missing."""
+        self.output_ids = list(output_ids)
+        self.planned = True
+        if not self.output_ids:
+            return f"request {self.rid} finished without generating a token, so it has no decode rows"
+        if self.rows_held > self.num_rows:
+            self.keep_rows(self.num_rows)
+        if self.rows_held < self.num_rows and not self.dropped:
+            return (f"request {self.rid} finished with rows for positions 0..{self.rows_held - 1} of "
+                    f"0..{self.num_rows - 1}; this is a bug in sglang-hs, please report it")
+        return None
 
     def release(self) -> None:
         """Give the rows' host memory back (after the write, or when the sample is dropped)."""
@@ -106,9 +160,10 @@ def plan_forward(
     requests that failed).
 
     The forward's rows are the requests' extend tokens back to back. A request contributes
-    the rows of its prompt positions; decode/output tokens and finished samples contribute
-    none. A prefix beyond what the request has exported would leave a hole, so it fails the
-    sample with a message instead of writing wrong rows.
+    the rows of its prompt positions (decode rows: of every position it extends, which after a
+    retraction include generated ones); finished samples contribute none. A prefix beyond what
+    the request has exported would leave a hole, so it fails the sample with a message
+    instead of writing wrong rows.
     """
     rows: List[int] = []
     segments: List[Segment] = []
@@ -123,13 +178,37 @@ def plan_forward(
                 )
                 failed.append(st)
             else:
-                n = min(p + e, st.prompt_len) - p
+                n = e if st.decode_rows else min(p + e, st.prompt_len) - p
                 if n > 0:
                     rows.extend(range(offset, offset + n))
                     segments.append(Segment(st, p, n))
                     st.next_pos = p + n
-                    st.planned = st.next_pos == st.prompt_len
+                    st.planned = not st.decode_rows and st.next_pos == st.prompt_len
         offset += e
+    return rows, segments, failed
+
+
+def plan_decode(
+    states: Sequence[Optional[RequestState]], seq_lens: Sequence[int]
+) -> Tuple[List[int], List[Segment], List[RequestState]]:
+    """Rows of one decode forward to export, as plan_forward: request i's row is row i, the
+    position seq_lens[i] - 1 (the token this step feeds in). Only requests with decode rows
+    that have not finished contribute."""
+    rows: List[int] = []
+    segments: List[Segment] = []
+    failed: List[RequestState] = []
+    for i, (st, n) in enumerate(zip(states, seq_lens)):
+        if st is None or not st.decode_rows or st.planned:
+            continue
+        pos = int(n) - 1
+        if pos > st.next_pos:
+            st.fail(f"decode row {pos} of request {st.rid} follows row {st.next_pos - 1}: rows "
+                    f"{st.next_pos}..{pos - 1} were never computed; this is a bug in sglang-hs, please report it")
+            failed.append(st)
+            continue
+        rows.append(i)
+        segments.append(Segment(st, pos, 1))
+        st.next_pos = pos + 1
     return rows, segments, failed
 
 
@@ -187,7 +266,7 @@ def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any 
         st.add_rows(seg.start, pieces)
         if ready is not None:
             st.ready.append(ready)
-        if st.rows_held == st.prompt_len:
+        if st.complete:
             complete.append(st)
     return complete
 
@@ -198,7 +277,7 @@ def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Un
     final rows at loss positions only, each piece's final rows at those positions are kept."""
     pieces = st.pieces
     tensors: Dict[str, Union[torch.Tensor, List[torch.Tensor]]] = {
-        "token_ids": torch.tensor(list(st.prompt_ids), dtype=torch.int64),
+        "token_ids": torch.tensor(st.token_ids, dtype=torch.int64),
         "aux_hidden_states": [p.aux for p in pieces],
     }
     mask = st.options.loss_mask
@@ -208,11 +287,12 @@ def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Un
                 f"loss_mask has {len(mask)} entries but the prompt has "
                 f"{st.prompt_len} tokens; send one 0/1 per prompt token"
             )
-        tensors["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
+        # Generated tokens are the model's own answer: every one is trained on.
+        tensors["loss_mask"] = torch.tensor([*mask, *[1] * len(st.output_ids or ())], dtype=torch.uint8)
     if storage.final_rows == "loss":
         if mask is None:  # admission refuses these; a guard, not a path
             raise RequestOptionsError("this server keeps final rows at loss positions only: send a loss_mask")
-        pos = torch.nonzero(tensors["loss_mask"]).flatten()
+        pos = torch.nonzero(tensors["loss_mask"][: st.num_rows]).flatten()
         tensors["final_positions"] = pos
         cut, start = [], 0
         for p in pieces:

@@ -1,5 +1,6 @@
-"""Per-scheduler-process export runtime: plans each extend forward, stages the exported
-rows in host memory, and hands complete prompts to the writer. The seams call it with plain
+"""Per-scheduler-process export runtime: plans each forward, stages the exported rows in host
+memory, and hands complete samples to the writer (a prompt once it went through forwards;
+with decode rows, prompt and answer once the request finished). The seams call it with plain
 values; every tensor-parallel rank runs it, only the writer rank stages and writes."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from sglang_hs.overlay.rows import (AuxStates, RequestState, Segment, gather_rows, plan_forward, split_rows,
-                                    storage_planes)
-from sglang_hs.overlay.staging import DeviceStager, Piece, copy_into
+from sglang_hs.overlay.rows import (AuxStates, RequestState, Segment, gather_rows, plan_decode, plan_forward,
+                                    split_rows, storage_planes)
+from sglang_hs.overlay.staging import DeviceStager, GraphRows, Piece, copy_into
 from sglang_hs.overlay.writer import SampleWriter
 from sglang_hs.protocol import parse_request_options
 
@@ -30,6 +31,7 @@ STATS_INTERVAL_ENV = "SGLANG_HS_STATS_INTERVAL_S"
 class _Forward:
     rows: List[int]
     segments: List[Segment]
+    decode: bool = False
     staged: Optional[List[Piece]] = None  # the exported rows in host slabs, in segment order
     ready: Optional[object] = None  # CUDA event: the staged rows have landed
 
@@ -43,6 +45,7 @@ class ExportRuntime:
         self._fwd: Optional[_Forward] = None
         self._in_progress: Dict[int, RequestState] = {}
         self._stager: Optional[DeviceStager] = None
+        self._graph_rows = GraphRows(self.num_aux)  # decode CUDA graphs' rows (writer rank)
         self.copies = 0  # device->host copies issued by this rank (proves who copies)
         # Every prefix cap this rank decided, hashed in order: tensor-parallel ranks must agree
         # (a rank that reused a different prefix would run a different forward and, on GPUs,
@@ -68,18 +71,31 @@ class ExportRuntime:
 
     def begin_forward(self, states: Sequence[Optional[RequestState]], prefix_lens, extend_lens) -> bool:
         """Plan one extend forward; True when this rank must stage rows from it."""
-        rows, segments, failed = plan_forward(states, prefix_lens, extend_lens)
+        return self._begin(plan_forward(states, prefix_lens, extend_lens), decode=False)
+
+    def begin_decode(self, states: Sequence[Optional[RequestState]], seq_lens) -> bool:
+        """Plan one decode forward (the decode rows of its requests that want them)."""
+        return self._begin(plan_decode(states, seq_lens), decode=True)
+
+    def _begin(self, plan, decode: bool) -> bool:
+        rows, segments, failed = plan
         for st in failed:
             self._fail(st)
         self._maybe_log_stats()
         if not segments or self.writer is None:
             return False
-        self._fwd = _Forward(rows, segments)
+        self._fwd = _Forward(rows, segments, decode)
         return True
 
+    def capture_decode_graph(self, final: torch.Tensor, aux: Optional[AuxStates]) -> None:
+        """Called inside the LogitsProcessor while a decode CUDA graph is captured: the graph
+        then copies every row into static buffers on each replay (writer rank only)."""
+        if self.writer is not None and aux is not None:
+            self._graph_rows.record(final, aux)
+
     def stage(self, final: torch.Tensor, aux: Optional[AuxStates]) -> None:
-        """Called inside the model's LogitsProcessor with every row of the forward: copy the
-        planned rows into host slabs."""
+        """Called inside the model's LogitsProcessor with every row of the forward (or, after
+        a decode graph's replay, with its static rows): copy the planned rows into host slabs."""
         fwd = self._fwd
         if fwd is None or fwd.staged is not None:
             return
@@ -102,7 +118,12 @@ class ExportRuntime:
             copy_into(planes, fwd.staged)
         self.copies += 1
 
-    def end_forward(self) -> None:
+    def end_forward(self, graph_ran: bool = False) -> None:
+        """After the forward was issued; graph_ran: it replayed a CUDA graph, so the hook did
+        not run and a decode forward's rows are in the graph's static buffers."""
+        if self._fwd is not None and self._fwd.decode and self._fwd.staged is None and graph_ran \
+                and self._graph_rows.final is not None:
+            self.stage(self._graph_rows.final, self._graph_rows.aux)
         fwd, self._fwd = self._fwd, None
         if fwd is None:
             return
@@ -123,15 +144,33 @@ class ExportRuntime:
                 self._in_progress[id(seg.state)] = seg.state
         self._sweep()
 
+    def finish(self, st: RequestState, output_ids: Sequence[int], aborted: bool) -> None:
+        """A request with decode rows finished (every rank): write its sample, or say why not."""
+        if not st.decode_rows or st.planned:
+            return
+        error = st.finish(output_ids)
+        self._in_progress.pop(id(st), None)
+        if self.writer is None or st.dropped:
+            return
+        if aborted:
+            st.drop(None)
+            self.writer.drop(st)
+            self.writer.notify(st.outcome(aborted=True))
+        elif error:
+            self._drop(st, error)
+        else:
+            self.writer.submit(st, st.aborted)
+
     def drain(self, timeout_s: float) -> None:
         """Shutdown: write every complete sample still queued, within timeout_s. Requests
-        still mid-prefill are not complete and are not written (their clients resend)."""
+        still mid-prefill (or, with decode rows, still generating) are not complete and are
+        not written (their clients resend)."""
         if self.writer is None:
             return
         t0 = time.monotonic()
         queued = self.writer.queued
         left = self.writer.close(timeout_s)
-        logger.warning("sglang-hs: %s drained: %d of %d queued samples written in %.1f s%s; %d mid-prefill not written",
+        logger.warning("sglang-hs: %s drained: %d of %d queued samples written in %.1f s%s; %d unfinished (mid-prefill or generating) not written",
                        self.rank, queued - left, queued, time.monotonic() - t0,
                        f", {left} NOT written (timeout {timeout_s:.0f} s)" if left else "", len(self._in_progress))
         self.writer = None

@@ -462,26 +462,52 @@ def compute_max_prefix_len(result, self, input_len):
     return None if st is None else _runtime.prefix_cap(st, result)
 
 
+@seam("sglang.srt.managers.schedule_batch.Req.update_finish_state", HookType.AFTER)
+def update_finish_state(result, self, *args, **kwargs):
+    """Target: Req.update_finish_state (the scheduler's stop check after each token it
+    appends, prefill or decode, on every rank).
+
+    Why: a sample with decode rows is complete when its request finishes: this is where
+    output_ids is final and finished_reason (an abort included) is set. Upstream PR: a
+    request-finished callback for plugins. Remove with it.
+    """
+    if _runtime is None or not self.finished():
+        return None
+    st = _state_of(self)
+    if st is not None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        _runtime.finish(st, self.output_ids, isinstance(self.finished_reason, FINISH_ABORT))
+    return None
+
+
 @seam("sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation", HookType.AROUND)
 def forward_batch_generation(original, self, batch=None, *args, **kwargs):
     """Target: TpModelWorker.forward_batch_generation (one forward of a ScheduleBatch).
 
-    Why: the only place where the batch's requests (rid, prompt, prefix and extend lengths)
-    and the forward that computes their rows meet. Upstream PR: a forward-output callback
-    carrying per-request row spans. Remove with it.
+    Why: the only place where the batch's requests (rid, prompt, prefix and extend lengths;
+    in decode, sequence lengths) and the forward that computes their rows meet; its result
+    says whether a CUDA graph ran. Upstream PR: a forward-output callback carrying
+    per-request row spans. Remove with it.
     """
     rt = _runtime
-    if rt is None or batch is None or not batch.forward_mode.is_extend():
+    if rt is None or batch is None:
         return original(self, batch, *args, **kwargs)
-    states = [_state_of(r) for r in batch.reqs]
-    if not rt.begin_forward(states, batch.prefix_lens, batch.extend_lens):
+    mode = batch.forward_mode
+    if mode.is_extend():
+        planned = rt.begin_forward([_state_of(r) for r in batch.reqs], batch.prefix_lens, batch.extend_lens)
+    elif mode.is_decode():
+        planned = rt.begin_decode([_state_of(r) for r in batch.reqs], batch.seq_lens_cpu.tolist())
+    else:
+        planned = False
+    if not planned:
         return original(self, batch, *args, **kwargs)
     try:
         out = original(self, batch, *args, **kwargs)
     except BaseException:
         rt.abort_forward()
         raise
-    rt.end_forward()
+    rt.end_forward(graph_ran=bool(getattr(out, "can_run_cuda_graph", False)))
     return out
 
 
@@ -492,12 +518,17 @@ def logits_forward(original, self, input_ids, hidden_states, lm_head, logits_met
     the model's aux hidden states, before it prunes them to the last token).
 
     Why: the final state is post-norm here for every token, and the aux states arrive in
-    the same call. Upstream PR: return full-sequence (aux, final) states from the model
-    forward when asked. Remove with it.
+    the same call. While a decode CUDA graph is captured it records a copy of the rows into
+    static buffers instead, which every replay refills (no Python runs in a replay).
+    Upstream PR: return full-sequence (aux, final) states from the model forward when asked.
+    Remove with it.
     """
     rt = _runtime
     if rt is not None:
-        rt.stage(hidden_states, aux_hidden_states)
+        if not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
+            rt.stage(hidden_states, aux_hidden_states)
+        elif logits_metadata.forward_mode.is_decode():
+            rt.capture_decode_graph(hidden_states, aux_hidden_states)
     return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
                     *args, **kwargs)
 

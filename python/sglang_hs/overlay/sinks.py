@@ -116,13 +116,15 @@ class DirectorySink:
             "aux_layer_ids": json.dumps(self.aux_layer_ids),
             "metadata": json.dumps(st.options.metadata or {}),
         }
+        if st.output_ids:  # decode rows: where the answer starts
+            meta["prompt_tokens"] = str(st.prompt_len)
         rel = self._claim_path(st.rid)
         path = os.path.join(self.out_dir, rel)
         try:
             size = write_sample_file(path, tensors, meta)
             try:
                 with self._manifest_lock:  # one line at a time (append_manifest cuts a torn one)
-                    append_manifest(self._manifest_fd, st.rid, rel, st.prompt_len)
+                    append_manifest(self._manifest_fd, st.rid, rel, st.num_tokens)
             except BaseException:
                 os.unlink(path)  # not in the manifest: not a sample
                 raise

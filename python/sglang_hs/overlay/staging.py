@@ -169,6 +169,38 @@ class SlabPool:
                 "backpressure_wait_s": round(self.waited_s, 3)}
 
 
+class GraphRows:
+    """The rows of a decode forward that ran as a CUDA graph. Inside a graph the forward runs
+    without Python, so the LogitsProcessor hook runs only while each batch-size bucket is
+    captured; there it records a copy of every row into these static buffers, which each
+    replay then refills, and the planned rows are read from them after the replay (stream
+    ordered, no synchronisation). Allocated at the first capture: upstream captures the
+    largest bucket first (in every release of the window), so one buffer fits them all, and
+    it lives as long as the graphs that write into it."""
+
+    def __init__(self, num_aux: int):
+        self.num_aux = num_aux
+        self.final: Optional[torch.Tensor] = None  # [max_bs, H]
+        self.aux: Optional[torch.Tensor] = None  # [max_bs, K*H], SGLang's packed layout
+
+    def record(self, final: torch.Tensor, aux) -> None:
+        n, h = final.shape[0], final.shape[-1]
+        if not isinstance(aux, torch.Tensor) and len(aux) != self.num_aux:
+            raise RuntimeError(f"model captured {len(aux)} aux layers, expected {self.num_aux}")
+        if self.final is None:
+            self.final = final.new_empty(final.shape)
+            self.aux = final.new_empty(n, self.num_aux * h)
+        if n > self.final.shape[0]:
+            raise RuntimeError(f"sglang-hs: a decode CUDA graph of {n} rows was captured after one of "
+                               f"{self.final.shape[0]}; upstream changed its capture order, please report it")
+        self.final[:n].copy_(final)
+        if isinstance(aux, torch.Tensor):
+            self.aux[:n].copy_(aux)
+        else:
+            for k, a in enumerate(aux):
+                self.aux[:n, k * h:(k + 1) * h].copy_(a)
+
+
 class DeviceStager:
     """Device->host copies of exported rows without stalling the forward loop.
 

@@ -88,11 +88,11 @@ class SampleWriter:
                 status=status,
             )
         else:
-            out = st.outcome(ok=True, path=placed.path, num_tokens=st.prompt_len, bytes=placed.bytes,
+            out = st.outcome(ok=True, path=placed.path, num_tokens=st.num_tokens, bytes=placed.bytes,
                              sink=self.sink.name, answer=placed.answer)
             with self._lock:
                 self.stats["samples"] += 1
-                self.stats["tokens"] += st.prompt_len
+                self.stats["tokens"] += st.num_tokens
                 self.stats["bytes"] += placed.bytes
                 self.stats["write_s"] += time.perf_counter() - t0
                 self._durable_s.append((time.perf_counter() - submitted, copied - submitted))

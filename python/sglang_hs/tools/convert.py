@@ -43,6 +43,7 @@ from sglang_hs.format import (
     iter_samples,
     load_sample,
     read_export_json,
+    row_at_every_token,
     sample_metadata,
 )
 from sglang_hs.layouts import SPECULATORS_LAST_LAYER, final_norm_weight, speculators_fp8_planes, speculators_planes
@@ -93,8 +94,9 @@ class ExportDataset(torch.utils.data.Dataset):
         return CaptureProvenance.of_sample(sample_metadata(self.path(i)))
 
     def raw(self, i: int) -> Dict[str, torch.Tensor]:
-        """The sample's tensors as stored (fp8 planes and their scales)."""
-        return load_sample(self.path(i))
+        """The sample's tensors as stored (fp8 planes and their scales), a row for every token
+        (`format.row_at_every_token`: a sample with decode rows gains a zero last row)."""
+        return row_at_every_token(load_sample(self.path(i)))
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         return self.decode(self.raw(i))

@@ -176,8 +176,9 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
             break
         t = decode_sample(load_sample(path), torch.float32)
         tok = t["token_ids"]
-        ref = hf_planes(ref_model, tok, ids)
-        hf16 = hf_planes(bf16_model, tok, ids)
+        rows = t["aux_hidden_states"].shape[0]  # decode rows: none for the last generated token
+        ref = hf_planes(ref_model, tok, ids)[:rows]
+        hf16 = hf_planes(bf16_model, tok, ids)[:rows]
         pos = t.get("final_positions")
         for j, name in enumerate(names):
             if name == "final":  # only the rows the export kept (--export-final-rows loss)
