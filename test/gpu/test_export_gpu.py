@@ -185,3 +185,53 @@ def test_fp8_rows_quantized_on_the_gpu_match_the_bf16_export_of_the_same_request
     print(ver.table())
     record("hf_fp8_loss_rows", ver.to_dict())
     assert ver.ok, ver.table()
+
+
+def decode_rows(srv, rid, ids, new, export=True):
+    r = srv.generate({"rid": rid, "input_ids": ids, "sampling_params": {
+        "max_new_tokens": new, "temperature": 0, "ignore_eos": True,
+        "custom_params": {"sglang_hs": {"decode_rows": True} if export else {"export": False}}}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_decode_rows_under_decode_graphs(servers):
+    """Decode rows with decode graphs on (rows from the graphs' static buffers) and off
+    (eager): the same tokens as without export; one prompt sent twice gives bitwise the same
+    rows within each mode; the decoded rows agree with the prefill export of the same final
+    sequence and with HF; 32 concurrent requests of mixed lengths (several graph buckets) each
+    get their own rows."""
+    on, off = servers
+    ids, = prompts(5, [300], vocab=32000)
+    result = {}
+    for name, s in (("graphs_on", on), ("graphs_off", off)):
+        plain = decode_rows(s, f"dec-plain-{name}", ids, 64, export=False)
+        outs = [decode_rows(s, f"dec-{k}", ids, 64) for k in "ab"]
+        assert outs[0] == outs[1] == plain, f"{name}: export changed the greedy tokens"
+        (ta, a), (tb, b) = rows(s.export_dir, "dec-a"), rows(s.export_dir, "dec-b")
+        assert ta["token_ids"].tolist() == ids + plain and a.shape[0] == len(ids) + 63
+        same = torch.equal(a, b)
+        send(s, "dec-prefill", ids + plain, max_new_tokens=1)
+        _, p = rows(s.export_dir, "dec-prefill")
+        gen = slice(len(ids), a.shape[0])
+        result[name] = {"sent_twice_bitwise_equal": same,
+                        "decode_vs_prefill_rel": float((a[gen] - p[gen]).norm() / p[gen].norm()),
+                        "prompt_rows_vs_prefill_rel": float((a[:len(ids)] - p[:len(ids)]).norm() / p[:len(ids)].norm())}
+        assert same, f"{name}: one prompt sent twice gave other decode rows"
+    ps = prompts(6, [random.Random(50 + i).randrange(8, 1500) for i in range(32)], vocab=32000)
+    with cf.ThreadPoolExecutor(32) as ex:
+        outs = list(ex.map(lambda i: decode_rows(on, f"dec-conc-{i}", ps[i], 1 + (7 * i) % 60), range(32)))
+    rep = validate_export(on.export_dir, expected_tokens={f"dec-conc-{i}": ps[i] + outs[i] for i in range(32)})
+    assert rep.ok, rep.errors
+    graph_lines = [ln for ln in open(on.log_path) if "Decode batch" in ln]
+    result["graphs_on_decode_batches_with_cuda_graph"] = sum("graph: True" in ln for ln in graph_lines)
+    result["graphs_on_decode_batches"] = len(graph_lines)
+    for name, s in (("graphs_on", on), ("graphs_off", off)):
+        ver = verify_export(s.export_dir, samples=None, device="cuda")
+        print(name, "\n" + ver.table())
+        result[f"hf_{name}"] = ver.to_dict()
+        assert ver.ok, ver.table()
+    record("decode_rows", result)
+    assert result["graphs_on_decode_batches_with_cuda_graph"] > 0, "no decode batch ran as a CUDA graph"
+    for name in ("graphs_on", "graphs_off"):
+        assert result[name]["decode_vs_prefill_rel"] < 2e-2, result
