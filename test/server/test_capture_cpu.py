@@ -94,27 +94,55 @@ def test_capture_200_conversations_kill_and_resume(smol_server, smollm2_path):
     assert sum(w["samples"] for w in prov["capture"]["ways"]) == 200
 
 
-def test_regenerate_exports_the_models_own_answers(smol_server, tmp_path):
+def test_regenerate_exports_the_models_own_answers_in_one_pass_as_in_two(smol_server, tmp_path):
+    """--regenerate: one pass (the answer's rows kept as it is decoded) and two passes
+    (generate, then prefill the conversation) give the same tokens up to the template's own
+    separator after the answer, the same loss mask there, and rows within the runtime's
+    prefill-vs-decode difference."""
     srv = smol_server
     data = tmp_path / "three.jsonl"
     with open(data, "w") as f:
         for q in ("Name a color.", "Say hello.", "Count to three."):
             f.write(json.dumps({"messages": [{"role": "user", "content": q},
                                              {"role": "assistant", "content": "(to be replaced)"}]}) + "\n")
-    cmd = [sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--server", srv.url, "--data", str(data), "--out",
-           srv.export_dir, "--regenerate", "--max-new-tokens", "8", "--id-prefix", "regen-", "--no-progress"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
+    for passes in ("1", "2"):
+        cmd = [sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--server", srv.url, "--data", str(data),
+               "--out", srv.export_dir, "--regenerate", "--regenerate-passes", passes, "--max-new-tokens", "48",
+               "--id-prefix", f"regen{passes}-", "--no-progress"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(srv.argv[srv.argv.index("--model-path") + 1])
-    regen = [e for e in read_manifest(srv.export_dir) if e["id"].startswith("regen-")]
-    assert len(regen) == 3
-    for e in regen:
-        t = load_sample(os.path.join(srv.export_dir, e["path"]))
-        text = tok.decode(t["token_ids"])
-        assert "(to be replaced)" not in text
-        answer = tok.decode(t["token_ids"][t["loss_mask"].bool()])
-        assert answer.endswith("<|im_end|>") and len(answer) > len("<|im_end|>")
-        prov = CaptureProvenance.of_sample(sample_metadata(os.path.join(srv.export_dir, e["path"])))
-        assert prov.regenerated and prov.mask_policy == "template" and prov.source == "three.jsonl"
+    listed = {e["id"]: e for e in read_manifest(srv.export_dir)}
+
+    def read(rid):
+        path = os.path.join(srv.export_dir, listed[rid]["path"])
+        return {"t": load_sample(path), "meta": sample_metadata(path)}
+
+    suffixes = sorted(rid[len("regen1-"):] for rid in listed if rid.startswith("regen1-"))
+    assert len(suffixes) == 3 and all(f"regen2-{x}" in listed for x in suffixes), sorted(listed)
+    compared = 0
+    for x in suffixes:
+        one, two = read(f"regen1-{x}"), read(f"regen2-{x}")
+        for y, passes in ((one, 1), (two, 2)):
+            text = tok.decode(y["t"]["token_ids"])
+            assert "(to be replaced)" not in text
+            answer = tok.decode(y["t"]["token_ids"][y["t"]["loss_mask"].bool()])
+            prov = CaptureProvenance.of_sample(y["meta"])
+            assert prov.regenerated and prov.mask_policy == "template" and prov.source == "three.jsonl"
+            assert len(answer) > len("<|im_end|>") and (passes == 1 or answer.endswith("<|im_end|>"))
+        # One pass: the prompt, then the answer as generated; its rows but the last.
+        p = int(one["meta"]["prompt_tokens"])
+        assert one["t"]["loss_mask"].tolist() == [0] * p + [1] * (len(one["t"]["token_ids"]) - p)
+        a, b = one["t"]["token_ids"].tolist(), two["t"]["token_ids"].tolist()
+        if a[-1] != tok.convert_tokens_to_ids("<|im_end|>"):
+            continue  # cut at --max-new-tokens: two passes end the turn, one pass cannot
+        assert b[: len(a)] == a and tok.decode(b[len(a):]).strip() == "", (a, b)
+        assert two["t"]["loss_mask"].tolist()[: len(a)] == one["t"]["loss_mask"].tolist()
+        n = len(a) - 1
+        for key in ("aux_hidden_states", "final_hidden_states"):
+            d, q = one["t"][key].float(), two["t"][key][:n].float()
+            assert float((d - q).norm() / q.norm()) < 1e-3, key  # float32 server: decode vs prefill rounding
+        compared += 1
+    assert compared, "no answer ended its turn within 48 tokens: nothing compared"

@@ -213,3 +213,33 @@ def test_prompt_ids_are_the_tokens_of_the_rendered_prompt(base_tok, template):
     ids = prompt_ids(tok, msgs)
     assert ids == tok(text, add_special_tokens=False)["input_ids"]
     assert all(isinstance(i, int) for i in ids)
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3, QWEN25, QWEN3, DEEPSEEK_V3])
+@pytest.mark.parametrize("last_turn_only", [False, True])
+def test_the_prompt_of_the_last_answer_is_the_start_of_the_whole_conversation(base_tok, smollm2_path, template,
+                                                                               last_turn_only):
+    """One-pass --regenerate sends the prompt of the last answer with its mask and appends
+    what the model writes: on every family's markup its tokens and mask are those the whole
+    conversation has there (as the two-pass export renders it), except that whitespace ending
+    the prompt may merge with the answer's first token when the whole text is tokenized."""
+    from transformers import AutoTokenizer
+
+    from sglang_hs.tools.masks import answer_prompt_and_mask
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path) if template is None else with_template(base_tok, template)
+    ids, mask = answer_prompt_and_mask(tok, CONV[:-1], last_turn_only)
+    full, full_mask = chat_ids_and_mask(tok, CONV, last_turn_only)
+    assert ids == prompt_ids(tok, CONV[:-1])
+    k = next((i for i, (x, y) in enumerate(zip(ids, full)) if x != y), len(ids))
+    assert full_mask[:k] == mask[:k] and not any(mask[k:])
+    assert tok.decode(ids[k:]).strip() == "", f"tokens differ before the prompt's final whitespace: {ids[k:]}"
+    assert any(mask) != last_turn_only
+
+
+def test_a_template_that_renders_history_otherwise_with_the_generation_prompt_is_refused(base_tok):
+    from sglang_hs.tools.masks import TemplateError, answer_prompt_and_mask
+
+    odd = QWEN25.replace("{% endif %}{% for m", "{% endif %}{% if not add_generation_prompt %}x{% endif %}{% for m")
+    with pytest.raises(TemplateError, match="--regenerate-passes 2"):
+        answer_prompt_and_mask(with_template(base_tok, odd), CONV[:-1])

@@ -52,6 +52,9 @@ def main(argv=None) -> None:
     c.add_argument("--last-turn-only", action="store_true", help="loss mask on the last assistant turn only")
     c.add_argument("--mask-reasoning", action="store_true", help="loss mask 0 on <think>...</think> spans")
     c.add_argument("--regenerate", action="store_true", help="let the target model write the assistant turns first")
+    c.add_argument("--regenerate-passes", type=int, choices=[1, 2], default=1,
+                   help="for --regenerate: 1 (default) exports the last answer's rows as it is decoded; 2 "
+                        "generates it, then exports the whole conversation in a second request")
     c.add_argument("--max-new-tokens", type=int, default=1024, help="for --regenerate")
     c.add_argument("--temperature", type=float, default=0.0, help="for --regenerate")
     c.add_argument("--retries", type=int, default=5)
@@ -129,6 +132,7 @@ def main(argv=None) -> None:
                             trust_remote_code=a.trust_remote_code,
                             concurrency=a.concurrency, max_length=a.max_length, last_turn_only=a.last_turn_only,
                             mask_reasoning=a.mask_reasoning, regenerate=a.regenerate,
+                            regenerate_passes=a.regenerate_passes,
                             max_new_tokens=a.max_new_tokens, temperature=a.temperature, retries=a.retries,
                             id_prefix=a.id_prefix, limit=a.limit, progress=not a.no_progress,
                             server_wait_s=600.0 if a.server_wait is None else a.server_wait,

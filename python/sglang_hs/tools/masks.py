@@ -90,6 +90,21 @@ def chat_ids_and_mask(tok, messages: Sequence[dict], last_turn_only: bool = Fals
     return ids, mask
 
 
+def answer_prompt_and_mask(tok, messages: Sequence[dict], last_turn_only: bool = False,
+                           mask_reasoning: bool = False) -> Tuple[List[int], List[int]]:
+    """(the prompt a server is sent to write the next assistant turn, its loss mask): the
+    earlier assistant turns as chat_ids_and_mask marks them (none with last_turn_only, since
+    the turn to come is the last), 0 on the generation prompt."""
+    ids = prompt_ids(tok, messages)
+    if last_turn_only or not any(m["role"] == "assistant" for m in messages):
+        return ids, [0] * len(ids)
+    history, mask = chat_ids_and_mask(tok, messages, False, mask_reasoning)
+    if ids[: len(history)] != history:
+        raise TemplateError("the chat template renders the conversation differently when it adds the generation "
+                            "prompt, so its loss mask cannot be read off; use --regenerate-passes 2")
+    return ids, mask + [0] * (len(ids) - len(history))
+
+
 def truncate(ids: List[int], mask: Optional[List[int]], max_length: Optional[int]):
     """The truncation policy of `sglang-hs capture --max-length`: keep the first max_length
     tokens (system prompt and earliest turns), cut the rest."""
