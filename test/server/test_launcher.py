@@ -51,6 +51,8 @@ def test_bad_settings_fail_fast_with_a_message_that_says_what_to_do(tiny_path, t
         (base + ["--export-hidden-states-dir", ok_dir, "--nnodes", "2", "--node-rank", "0",
                  "--dist-init-addr", "127.0.0.1:5757"], "--nnodes > 1 is not supported yet"),
         (base + ["--export-hidden-states-dir", str(other)], "another configuration"),
+        (base + ["--export-hidden-states-dir", ok_dir, "--speculative-algorithm", "EAGLE3",
+                 "--speculative-draft-model-path", tiny_path], "rows of draft tokens that are then rejected"),
         (base + ["--platform-preset", "sm120"], "is unknown; the presets are: sm120-pcie-tp8"),
         (base + ["--export-hidden-states-dir", ok_dir, "--export-aux-layer-ids", "1", "4", "7"], None),
         (base, None),

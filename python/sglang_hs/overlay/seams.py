@@ -199,8 +199,10 @@ def _check_startup(server_args, args) -> ExportConfig:
     if server_args.pp_size > 1:
         raise ExportConfigError("--export-hidden-states-dir with --pp-size > 1 is not supported yet.")
     if server_args.speculative_algorithm is not None:
-        raise ExportConfigError("--export-hidden-states-dir cannot be combined with speculative "
-                                "decoding yet; export with a plain target server.")
+        raise ExportConfigError("--export-hidden-states-dir cannot be combined with speculative decoding yet: "
+                                "a verify forward computes rows of draft tokens that are then rejected, and SGLang "
+                                "does not say which rows were accepted (docs/upstream-rfc.md). Export with a plain "
+                                "target server.")
     if server_args.tokenizer_worker_num > 1:
         raise ExportConfigError("--export-hidden-states-dir needs --tokenizer-worker-num 1.")
     if server_args.nnodes > 1:
