@@ -53,3 +53,39 @@ def test_pieces_lay_rows_out_contiguously_in_slabs_and_return_them(dtype):
 def test_a_row_larger_than_a_slab_is_refused():
     with pytest.raises(RuntimeError, match="exceeds a slab"):
         SlabPool(1 << 20, slab_bytes=64).pieces(1, 3, 64, torch.bfloat16)
+
+
+def test_small_forwards_share_a_slab_so_decode_steps_do_not_take_one_each():
+    # Decode rows: every decode step stages one row per request and the requests keep them
+    # until they finish. 200 steps of 4 rows each fit in two slabs of 400 rows; a slab per
+    # step would exhaust a pool of 8 (and hand out unpooled slabs) after 8 steps.
+    k, h = 3, 8
+    row_bytes = (k + 1) * h * 2
+    pool = SlabPool(8 * 400 * row_bytes, slab_bytes=400 * row_bytes)
+    kept = []
+    for step in range(200):
+        (p,) = pool.pieces(4, k, h, torch.bfloat16)
+        p.aux.fill_(step)
+        p.final.fill_(-step)
+        kept.append(p)
+    assert pool.overflow == 0 and pool.pooled == 2 and pool.in_use == 2
+    assert all((p.aux == i).all() and (p.final == -i).all() for i, p in enumerate(kept))  # no overlap
+    for p in kept[:100]:
+        p.release()
+    assert pool.in_use == 1  # the first slab went back once every row in it was released
+    for p in kept[100:]:
+        p.release()
+    assert pool.in_use == 0
+
+
+def test_a_pool_that_drops_when_full_never_waits_nor_overflows():
+    # Live capture: the forward loop must not wait for the writer, so a full pool gives nothing.
+    pool = SlabPool(2 << 10, slab_bytes=1 << 10, drop_when_full=True)
+    a = pool.pieces(16, 3, 8, torch.bfloat16) + pool.pieces(16, 3, 8, torch.bfloat16)  # 64 B rows: 2 full slabs
+    pool.enqueue()  # a queued sample that would free one, which a held pool waits for
+    t0 = time.perf_counter()
+    assert pool.pieces(1, 3, 8, torch.bfloat16) is None
+    assert time.perf_counter() - t0 < 0.5 and pool.overflow == 0 and pool.full == 1
+    for p in a:
+        p.release()
+    assert pool.in_use == 0 and pool.pieces(1, 3, 8, torch.bfloat16) is not None

@@ -76,28 +76,43 @@ class SlabPool:
     """Bounded, reusable host memory for exported rows, from device copy until on disk.
 
     At most limit/slab_bytes slabs are ever allocated (pinned on a GPU, so device->host copies
-    are asynchronous); all have one size, so they are reused without fragmentation. When none
-    is free, `take` blocks the forward loop (back-pressure) as long as the writer has queued
+    are asynchronous); all have one size, so they are reused without fragmentation. Successive
+    forwards' rows are packed into the current slab until it is full (a decode step stages a
+    few rows, and with decode rows they are kept until their requests finish). When no slab is
+    free, `take` blocks the forward loop (back-pressure) as long as the writer has queued
     samples whose slabs it will free. Rows of prompts still being chunk-prefilled cannot be
     written yet; if they alone hold every slab, waiting would deadlock, so an unpooled
     (pageable, freed after use) slab is handed out instead and counted as overflow.
+    drop_when_full (live capture): never wait nor overflow; `pieces` returns None instead and
+    the caller drops those rows.
     """
 
-    def __init__(self, limit_bytes: int, slab_bytes: int = SLAB_BYTES, pin: bool = False):
+    ALIGN = 64  # bytes; each piece starts aligned, so every view of it is
+
+    def __init__(self, limit_bytes: int, slab_bytes: int = SLAB_BYTES, pin: bool = False,
+                 drop_when_full: bool = False):
         self.slab_bytes = slab_bytes
         self.max_slabs = max(1, limit_bytes // slab_bytes)
         self.pin = pin
+        self.drop_when_full = drop_when_full
         self.pooled = 0
         self.in_use = 0
         self.peak_in_use = 0
         self.overflow = 0
+        self.full = 0  # drop_when_full: times no slab was free
         self.queued = 0
         self.waited_s = 0.0
         self._free: List[Slab] = []
+        self._cur: Optional[Slab] = None  # the slab new pieces are carved from
+        self._at = 0  # its first free byte
         self._cv = threading.Condition()
 
-    def take(self) -> Slab:
+    def take(self) -> Optional[Slab]:
+        """A whole slab with one reference (None: drop_when_full and none is free)."""
         with self._cv:
+            if self.drop_when_full and not self._free and self.pooled >= self.max_slabs:
+                self.full += 1
+                return None
             t0 = None
             while not self._free and self.pooled >= self.max_slabs and self.queued > 0:
                 t0 = t0 or time.perf_counter()
@@ -124,14 +139,16 @@ class SlabPool:
         es = torch.empty((), dtype=dtype).element_size()
         scale_bytes = (k + 1) * 4 if scaled else 0
         row_bytes = (k + 1) * hidden * es + scale_bytes
-        per_slab = self.slab_bytes // row_bytes
-        if per_slab < 1:
+        if self.slab_bytes // row_bytes < 1:
             raise RuntimeError(f"sglang-hs: one row ({row_bytes} bytes) exceeds a slab")
         pieces, a = [], 0
         while a < n:
-            r = min(per_slab, n - a)
-            slab = self.take()
-            at = 0
+            carved = self._carve(row_bytes, n - a)
+            if carved is None:  # drop_when_full
+                for p in pieces:
+                    p.release()
+                return None
+            slab, at, r = carved
 
             def view(shape, dt, size):
                 nonlocal at
@@ -147,8 +164,32 @@ class SlabPool:
             a += r
         return pieces
 
+    def _carve(self, row_bytes: int, want: int):
+        """(slab, byte offset, rows) for up to `want` rows: from the current slab while it has
+        room, else from a new one; the piece holds one reference to it."""
+        with self._cv:
+            cur = self._cur
+            room = (self.slab_bytes - self._at) // row_bytes if cur is not None else 0
+            if room >= 1:
+                cur.refs += 1
+            else:
+                self._cur = None
+        if room < 1:
+            cur = self.take()
+            if cur is None:
+                return None
+            room = self.slab_bytes // row_bytes
+            with self._cv:
+                self._cur, self._at = cur, 0
+        with self._cv:
+            at, r = self._at, min(room, want)
+            self._at = -(-(at + r * row_bytes) // self.ALIGN) * self.ALIGN
+        return cur, at, r
+
     def _give(self, slab: Slab) -> None:  # called with the lock held
         self.in_use -= 1
+        if slab is self._cur:  # every piece carved from it is released: reuse it whole
+            self._cur = None
         if slab.pooled:
             self._free.append(slab)
         self._cv.notify_all()
@@ -166,6 +207,7 @@ class SlabPool:
         return {"slab_bytes": self.slab_bytes, "max_slabs": self.max_slabs, "pinned": self.pin,
                 "host_bytes_allocated": self.pooled * self.slab_bytes,
                 "host_bytes_peak_in_use": self.peak_in_use * self.slab_bytes, "overflow_slabs": self.overflow,
+                "full": self.full,
                 "backpressure_wait_s": round(self.waited_s, 3)}
 
 
