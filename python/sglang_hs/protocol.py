@@ -48,7 +48,8 @@ class SampleInFlightError(ExportError):
 
 @dataclasses.dataclass
 class RequestOptions:
-    export: bool = True
+    # True: export it; False: never; None (not said): the server's --export-sample-rate decides.
+    export: Optional[bool] = None
     loss_mask: Optional[List[int]] = None
     metadata: Optional[Dict[str, Any]] = None
     # Set by the HTTP process, one per /generate call: tells a request's outcome apart from
@@ -101,9 +102,9 @@ def parse_request_options(custom_params: Optional[dict]) -> RequestOptions:
             f"custom_params[{REQUEST_KEY!r}] must be a dict with keys export (bool), "
             f"loss_mask (list of 0/1, one per prompt token), metadata (dict), decode_rows (bool); got {raw!r:.200}"
         )
-    flags = {k: raw.get(k, d) for k, d in (("export", True), ("decode_rows", False))}
+    flags = {k: raw.get(k, d) for k, d in (("export", None), ("decode_rows", False))}
     for k, v in flags.items():
-        if not isinstance(v, bool):  # bool("false") is True: a string must not mean yes
+        if k in raw and not isinstance(v, bool):  # bool("false") is True: a string must not mean yes
             raise RequestOptionsError(f"{k} must be true or false (a JSON boolean); got {v!r:.50}")
     opts = RequestOptions(call_id=raw.get("call_id"), **flags)
     if raw.get("specforge") is not None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_hs.overlay.admission import Admission, admit, hold_until_durable, take_spec_capture
+from sglang_hs.overlay.admission import Admission, Policy, admit, hold_until_durable, sampled, take_spec_capture
 from sglang_hs.protocol import (
     REQUEST_KEY,
     DuplicateSampleError,
@@ -17,6 +17,7 @@ from sglang_hs.protocol import (
     Outcome,
     RequestOptionsError,
     SampleIdError,
+    SampleInFlightError,
 )
 
 OPT_OUT = {"custom_params": {REQUEST_KEY: {"export": False}}}
@@ -46,10 +47,16 @@ def test_a_batch_exports_all_but_the_entries_that_opt_out():
     assert params[2]["custom_params"]["other"] == 1, "the client's own custom params are kept"
 
 
-def test_a_shared_params_dict_of_an_exported_batch_carries_the_one_call_id():
-    shared = {}
-    adm = admit(["a_0", "a_1"], [shared, shared], 1, False, set(), "c1")
-    assert adm.rids == ["a_0", "a_1"] and call_ids([shared]) == ["c1"]
+def test_each_exported_entry_of_a_batch_that_shared_one_params_dict_gets_its_own_tagged_copy():
+    shared = {"max_new_tokens": 3}
+    params = [shared] * 3
+    adm = admit(["a", "b", "c"], params, 1, False, set(), "c1", policy=Policy(sample_rate=0.0))
+    assert adm.rids == [] and shared == {"max_new_tokens": 3}
+    params = [shared, shared, shared]
+    params[1] = {**shared, **OPT_OUT}
+    adm = admit(["a", "b", "c"], params, 1, False, set(), "c1")
+    assert adm.rids == ["a", "c"] and call_ids(params) == ["c1", None, "c1"]
+    assert shared == {"max_new_tokens": 3} and params[0] is not params[2]
 
 
 def test_health_checks_are_never_exported():
@@ -232,3 +239,57 @@ def test_decode_rows_are_taken_by_the_directory_sink_only():
     for sink in ("speculators-file", "speculators-mooncake"):
         with pytest.raises(RequestOptionsError, match="decode_rows, which only the directory sink"):
             admit(["a"], asked(), 1, False, set(), "c1", sink=sink)
+
+
+def export_tags(params):
+    return [(sp.get("custom_params") or {}).get(REQUEST_KEY, {}) for sp in params]
+
+
+@given(st.lists(st.from_regex(r"[a-f0-9][a-f0-9_]{0,11}", fullmatch=True), min_size=1, max_size=30, unique=True),
+       st.floats(0.0, 1.0), st.sampled_from([None, True, False]))
+def test_a_request_that_does_not_say_is_exported_exactly_when_its_rid_is_sampled(rids, rate, said):
+    params = [{} if said is None else {"custom_params": {REQUEST_KEY: {"export": said}}} for _ in rids]
+    adm = admit(rids, params, 1, False, set(), "c1", policy=Policy(sample_rate=rate))
+    want = [r for r in rids if said is True or (said is None and sampled(r, rate))]
+    assert adm.rids == want
+    for rid, tag in zip(rids, export_tags(params)):
+        # the schedulers export what is not tagged export=false: every entry left out says so
+        assert (tag.get("export") is not False) == (rid in want) and (tag.get("call_id") == "c1") == (rid in want)
+
+
+def test_sampling_follows_the_rid_alone_and_keeps_about_the_rate():
+    rids = [f"req-{i}" for i in range(20000)]
+    picked = [r for r in rids if sampled(r, 0.1)]
+    assert picked == [r for r in rids if sampled(r, 0.1)]  # a replay samples the same requests
+    assert 0.09 < len(picked) / len(rids) < 0.11
+    assert set(picked) <= {r for r in rids if sampled(r, 0.5)}  # a higher rate keeps what a lower one took
+    assert not any(sampled(r, 0.0) for r in rids) and all(sampled(r, 1.0) for r in rids)
+
+
+def test_a_live_server_serves_unexported_what_it_chose_but_cannot_export():
+    live = Policy(live=True)
+    params = [{}, {}, {}, {}]
+    adm = admit(["ok", "old", "busy", "../x"], params, 1, False, {"old"}, "c1", in_flight={"busy"}, policy=live)
+    assert adm.rids == ["ok"]
+    assert export_tags(params) == [{"call_id": "c1", "decode_rows": True}] + [{"export": False}] * 3
+    params = [{}]
+    assert admit(["e"], params, 1, True, set(), "c1", policy=live).rids == [] and export_tags(params) == [{"export": False}]
+    params = [{}, {}]  # n=2: one prompt sampled twice is never exported, and not refused either
+    assert admit(["n"], params, 2, False, set(), "c1", policy=live).rids == []
+    assert export_tags(params) == [{"export": False}] * 2
+
+
+def test_a_live_server_still_refuses_an_explicit_opt_in_it_cannot_export():
+    asked = lambda: [{"custom_params": {REQUEST_KEY: {"export": True}}}]  # noqa: E731
+    with pytest.raises(DuplicateSampleError):
+        admit(["old"], asked(), 1, False, {"old"}, "c1", policy=Policy(live=True))
+    with pytest.raises(RequestOptionsError, match="send n=1"):
+        admit(["n"], asked() * 2, 2, False, set(), "c1", policy=Policy(sample_rate=0.1, live=True))
+
+
+def test_a_rid_in_flight_or_twice_in_one_call_is_refused_with_a_retryable_status():
+    with pytest.raises(SampleInFlightError) as e:
+        admit(["a", "b"], [{}, {}], 1, False, set(), "c1", in_flight={"b"})
+    assert e.value.status_code == 423 and "'b'" in str(e.value)
+    with pytest.raises(SampleInFlightError):
+        admit(["a", "a"], [{}, {}], 1, False, set(), "c1")

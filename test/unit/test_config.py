@@ -52,3 +52,15 @@ def test_one_writer_rank_per_data_parallel_group(tp, dp, dp_attention, writers):
     assert got == writers
     assert not is_writer_rank(0, 0, False)  # not the last pipeline stage
     assert not is_writer_rank(0, 1, True)   # context-parallel peers hold the same rows
+
+
+def test_live_capture_and_the_sample_rate_are_checked_at_start_up():
+    from sglang_hs.overlay.config import check_policy
+
+    check_policy("live", 0.1, "directory", "all")
+    check_policy("held", 0.0, "specforge", "all")
+    for mode, rate, sink, final_rows, what in (("held", 1.5, "directory", "all", r"\[0, 1\]"),
+                                               ("live", 0.1, "specforge", "all", "--export-sink directory"),
+                                               ("live", 1.0, "directory", "loss", "--export-final-rows all")):
+        with pytest.raises(ExportConfigError, match=what):
+            check_policy(mode, rate, sink, final_rows)

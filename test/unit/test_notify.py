@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from sglang_hs.overlay.notify import ExportWaiter, Notifier
-from sglang_hs.protocol import Outcome, SampleInFlightError
+from sglang_hs.protocol import Outcome
 
 
 def ok(rid, call_id):
@@ -61,18 +61,24 @@ def test_an_outcome_that_arrives_before_its_waiter_is_kept(addr, tmp_path):
     assert run(main()).ok
 
 
-def test_a_rid_in_flight_is_refused_with_a_retryable_status_until_released(addr, tmp_path):
+def test_a_live_call_keeps_its_rids_in_flight_until_their_outcomes_arrive(addr, tmp_path):
+    """Live capture answers before the sample is written: a resend of the rid meanwhile
+    must be seen as in flight (admission then serves it unexported), not exported twice."""
     async def main():
         w = ExportWaiter(addr, str(tmp_path), timeout_s=10)
-        w.admit(["a", "b"])
-        with pytest.raises(SampleInFlightError) as e:
-            w.admit(["c", "b"])
-        assert e.value.status_code == 423 and "'b'" in str(e.value)
-        assert w.in_flight == {"a", "b"}, "a refused call must not claim its other rids"
-        w.release(["a", "b"], "t", unclaimed=[])
-        w.admit(["b"])
+        push = Notifier(addr)
+        w.admit(["a", "b", "c"])
+        push(ok("c", "t"))  # c's sample was durable before its answer went out
+        await asyncio.sleep(0.2)
+        w.release(["a", "b", "c"], "t", unclaimed=["a", "b", "c"], live=True)
+        assert w.in_flight == {"a", "b"}
+        push(ok("a", "t"))
+        push(Outcome("b", "t", error="dropped: the host buffer was full (live capture)", status=503))
+        await asyncio.sleep(0.2)
+        return w
 
-    run(main())
+    w = run(main())
+    assert not w.in_flight and w.exported == {"a", "c"} and not w._results and not w._abandoned
 
 
 def test_a_success_reported_after_its_client_left_still_counts_as_exported(addr, tmp_path):

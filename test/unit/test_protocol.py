@@ -12,7 +12,7 @@ from sglang_hs.protocol import (
 
 
 def test_request_options():
-    assert parse_request_options(None).export
+    assert parse_request_options(None).export is None  # not said: the server's sample rate decides
     o = parse_request_options({"sglang_hs": {"loss_mask": [0, 1], "metadata": {"src": "x"}}})
     assert o.loss_mask == [0, 1] and o.metadata == {"src": "x"}
     assert not parse_request_options({"sglang_hs": {"export": False}}).export

@@ -96,8 +96,8 @@ def test_a_failed_forward_fails_its_requests_and_frees_their_rows(ranks):
     w.writer.flush()
     assert [(m.rid, m.ok, m.status) for m in msgs] == [("r", False, 500)] and "forward pass failed" in msgs[0].error
     assert w.writer.pool.in_use == 0 and sw.dropped and not sw.pieces
-    forward(w, sw, 4, 4)  # planning goes on (the other ranks do the same) but nothing is kept
-    assert w.writer.pool.in_use == 0 and w.stats()["copies"] == 2
+    forward(w, sw, 4, 4)  # planning goes on (the other ranks do the same) but nothing is copied or kept
+    assert w.writer.pool.in_use == 0 and w.stats()["copies"] == 1 and sw.next_pos == 8
 
 
 def test_only_the_writer_copies_rows():
@@ -288,3 +288,61 @@ def test_a_request_aborted_while_decoding_writes_nothing(ranks):
     w.writer.flush()
     assert [(m.rid, m.aborted) for m in msgs] == [("d", True)]
     assert w.writer.pool.in_use == 0
+
+
+def test_live_capture_drops_what_the_full_host_buffer_cannot_hold_and_goes_on(tmp_path):
+    """A live pool never waits: a forward whose rows find no free slab drops its samples
+    (counted, reported 503), the ranks still plan alike, and once the writer frees the slab
+    the next sample is exported."""
+    msgs = []
+    # one slab of 16 rows (H=8, one aux plane, float32: 64 bytes a row)
+    pool = SlabPool(1 << 10, slab_bytes=1 << 10, drop_when_full=True)
+    writer = SampleWriter(DirectorySink(str(tmp_path), "dp0", AUX), pool, msgs.append, threads=1)
+    w, n = ExportRuntime(AUX, writer, "dp0-tp0"), ExportRuntime(AUX, None, "dp0-tp1")
+    a = [rt.new_state("a", PROMPT, DECODE, lambda: False) for rt in (w, n)]
+    b = [rt.new_state("b", PROMPT, DECODE, lambda: False) for rt in (w, n)]
+    for rt, sa, sb in zip((w, n), a, b):
+        forward(rt, sa, 0, 10)  # a's prompt rows hold 10 of the slab's 16 rows while it decodes
+        forward(rt, sb, 0, 10)  # b's find no room: dropped on the writer
+    for i in range(3):  # a decodes on: 3 more rows fit
+        for rt, sa, sb in zip((w, n), a, b):
+            assert rt.begin_decode([sa, sb], [11 + i, 11 + i]) == (rt is w)
+            if rt is w:
+                rows = torch.randn(2, H)
+                rt.stage(rows, [rows])
+            rt.end_forward()
+    for rt, sa, sb in zip((w, n), a, b):
+        rt.finish(sa, [7, 8, 9, 10], aborted=False)
+        rt.finish(sb, [7, 8, 9, 10], aborted=False)
+        assert rt.prefix_cap(sb, 12) == 12  # planning of the dropped sample went on alike
+    writer.flush()
+    assert sorted((m.rid, m.ok) for m in msgs) == [("a", True), ("b", False)] and msgs[0].status == 503
+    assert writer.stats["dropped"] == 1 and writer.stats["failed"] == 0 and pool.full >= 1 and pool.overflow == 0
+    c = w.new_state("c", PROMPT, None, lambda: False)  # the slab is free again
+    forward(w, c, 0, 10)
+    writer.flush()
+    assert [m.rid for m in msgs if m.ok] == ["a", "c"] and pool.in_use == 0
+    writer.close()
+
+
+def test_a_full_live_buffer_keeps_the_samples_with_the_most_rows_and_drops_the_rest(tmp_path):
+    msgs = []
+    pool = SlabPool(1 << 10, slab_bytes=1 << 10, drop_when_full=True)  # 16 rows of 64 bytes
+    writer = SampleWriter(DirectorySink(str(tmp_path), "dp0", AUX), pool, msgs.append, threads=1)
+    w = ExportRuntime(AUX, writer, "dp0-tp0")
+    sts = {rid: w.new_state(rid, PROMPT[:n], DECODE, lambda: False) for rid, n in (("a", 6), ("b", 4), ("c", 2))}
+    for st in sts.values():
+        forward(w, st, 0, st.prompt_len)  # 12 rows held
+    for step in range(2):  # 3 rows fit; then room for 1: a, holding the most, keeps it
+        seq = [st.prompt_len + 1 + step for st in sts.values()]
+        assert w.begin_decode(list(sts.values()), seq)
+        rows = torch.randn(3, H)
+        w.stage(rows, [rows])
+        w.end_forward()
+    assert [rid for rid, st in sts.items() if st.dropped] == ["b", "c"]
+    for st in sts.values():
+        w.finish(st, [7, 8, 9], aborted=False)
+    writer.flush()
+    assert sorted((m.rid, m.ok, m.ok or m.status) for m in msgs) == [("a", True, True), ("b", False, 503), ("c", False, 503)]
+    assert writer.stats["dropped"] == 2 and pool.in_use == 0
+    writer.close()

@@ -7,7 +7,9 @@ normalisation (every rid filled in, one sampling-params dict per entry) and call
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import time
 from typing import List, Optional, Sequence, Set
 
@@ -15,7 +17,9 @@ from sglang_hs.format import check_sample_id
 from sglang_hs.protocol import (
     REQUEST_KEY,
     DuplicateSampleError,
+    ExportError,
     RequestOptionsError,
+    SampleInFlightError,
     check_spec_capture,
     parse_request_options,
 )
@@ -73,61 +77,119 @@ def take_spec_capture(obj, body: object) -> None:
     obj.sampling_params = params if batch else params[0]
 
 
-def admit(rids: Sequence[str], sampling_params: Sequence[dict], parallel_sample_num: int,
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which requests a server exports, and whether their answers wait for it.
+
+    sample_rate: the share of requests exported when they do not say (`"export": true` or
+    false always wins), chosen from the rid alone, so a replay exports the same requests.
+    live: answers never wait for their sample (mode `live`; `held`, the default, answers
+    only once the sample is durable). A live server exports prompt and answer (decode rows)
+    and never refuses a request it chose itself: one it cannot export is served unexported."""
+
+    sample_rate: float = 1.0
+    live: bool = False
+
+
+def sampled(rid: str, rate: float) -> bool:
+    """Deterministic from the rid: the first 8 bytes of its SHA-256 as a fraction of 2^64."""
+    if rate >= 1.0:
+        return True
+    return int.from_bytes(hashlib.sha256(str(rid).encode()).digest()[:8], "big") < rate * 2.0 ** 64
+
+
+def admit(rids: Sequence[str], sampling_params: List[dict], parallel_sample_num: int,
           has_input_embeds: bool, exported: Set[str], call_id: str,
-          skip_prefix: Optional[str] = None, need_loss_mask: bool = False, sink: str = "directory") -> Admission:
+          skip_prefix: Optional[str] = None, need_loss_mask: bool = False, sink: str = "directory",
+          in_flight: Set[str] = frozenset(), policy: Policy = Policy()) -> Admission:
     """Validate one normalised /generate call and tag each exported entry with `call_id`.
 
     rids: one per entry; sampling_params: one dict per entry (a batch that shared one dict
-    lists it once per entry, the same object); exported: ids already in the manifest.
-    An entry is exported unless it opts out (`"export": false`) or is SGLang's own health
-    check (`skip_prefix`), which the schedulers skip too. On a server whose sink is
-    `specforge`, only entries that carry SpecForge's `spec_capture` are exported (they say
-    where to); elsewhere such an entry is refused. Each error carries its HTTP status.
+    lists it once per entry, the same object; an entry whose tags differ from the others'
+    gets its own copy in the list); exported: ids already in the manifest; in_flight: ids
+    being exported by calls not yet answered.
+    An entry is exported when it opts in (`"export": true`), or says nothing and is sampled
+    (`policy`), and is not SGLang's own health check (`skip_prefix`), which the schedulers
+    skip too. On a server whose sink is `specforge`, only entries that carry SpecForge's
+    `spec_capture` are exported (they say where to); elsewhere such an entry is refused.
+    Each error carries its HTTP status.
     """
     options = [parse_request_options(sp.get("custom_params")) for sp in sampling_params]
     if parallel_sample_num > 1:
         # No entry count is checked here: a single prompt with n > 1 has one rid up to SGLang
         # 0.5.17 and n rids from 0.5.18 on (releases.DIFFERENCES), and no entry is exported.
         # SGLang repeats the whole list n times, and sends n + 1 requests under new rids.
-        if any(o.export for o in options):
+        # Refused when asked for: explicitly, or by default on a capture server (held, rate 1).
+        every = policy.sample_rate >= 1 and not policy.live
+        asked = any(o.export is True or (o.export is None and every) for o in options)
+        if asked:
             raise RequestOptionsError(
                 f"n={parallel_sample_num} samples one prompt {parallel_sample_num} times and its hidden "
                 "states are the same each time: send n=1, or opt out with custom_params "
                 f'{{"{REQUEST_KEY}": {{"export": false}}}}')
+        for sp, o in zip(sampling_params, options):
+            if o.export is None:  # not sampled: say so, or the scheduler would export it
+                _tag(sp, export=False)
         return Admission(call_id, [])
     if len(sampling_params) != len(rids):
         raise ValueError(f"{len(rids)} rids but {len(sampling_params)} sampling params")
-    keep = []
+    keep, unsampled = [], []
+    busy = set(in_flight)  # and the rids this call exports: one rid twice in a batch is refused too
     for i, (rid, opts) in enumerate(zip(rids, options)):
-        if not opts.export or (skip_prefix and str(rid).startswith(skip_prefix)):
+        if opts.export is False or (skip_prefix and str(rid).startswith(skip_prefix)):
             continue
         if (opts.specforge is not None) != (sink == "specforge"):
             if opts.specforge is None:
                 continue  # a specforge server exports what SpecForge asks it to
             raise RequestOptionsError(f"request {rid!r} carries spec_capture, but this server hands samples to "
                                       f"'{sink}': start it with --export-sink specforge for SpecForge")
-        if has_input_embeds:
-            raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
-        if opts.decode_rows and sink != "directory":
-            raise RequestOptionsError(f"request {rid!r} asks for decode_rows, which only the directory sink writes "
-                                      f"yet; this server hands samples to '{sink}'")
-        check_sample_id(rid)
-        if need_loss_mask and opts.loss_mask is None:
-            raise RequestOptionsError(
-                f"request {rid!r} has no loss_mask, and this server keeps final-state rows only at loss "
-                "positions (--export-final-rows loss): send custom_params "
-                f'{{"{REQUEST_KEY}": {{"loss_mask": [0/1 per prompt token]}}}} (sglang-hs capture does), '
-                "or use a server started with --export-final-rows all")
-        if rid in exported:
-            raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
-                                       "(exported samples are never overwritten)")
+        if opts.export is None and not sampled(rid, policy.sample_rate):
+            unsampled.append(i)
+            continue
+        try:
+            _check_entry(rid, opts, has_input_embeds, exported, busy, need_loss_mask, sink)
+        except ExportError:
+            if opts.export is True or not policy.live:
+                raise
+            unsampled.append(i)  # live capture chose it; serve it unexported
+            continue
         keep.append(i)
-    for i in keep:
-        sp = sampling_params[i]
-        cp = sp.get("custom_params") or {}
-        sp["custom_params"] = {**cp, REQUEST_KEY: {**(cp.get(REQUEST_KEY) or {}), "call_id": call_id}}
+        busy.add(rid)
+    tags = {i: {"call_id": call_id, **({"decode_rows": True} if policy.live else {})} for i in keep}
+    tags.update({i: {"export": False} for i in unsampled})
+    shared = collections.Counter(id(sp) for sp in sampling_params)
+    for i, t in tags.items():
+        if shared[id(sampling_params[i])] > 1:  # a batch's one dict: each tagged entry gets its own
+            sampling_params[i] = {**sampling_params[i]}
+        _tag(sampling_params[i], **t)
     return Admission(call_id, [rids[i] for i in keep])
+
+
+def _check_entry(rid: str, opts, has_input_embeds: bool, exported: Set[str], in_flight: Set[str],
+                 need_loss_mask: bool, sink: str) -> None:
+    if has_input_embeds:
+        raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
+    if opts.decode_rows and sink != "directory":
+        raise RequestOptionsError(f"request {rid!r} asks for decode_rows, which only the directory sink writes "
+                                  f"yet; this server hands samples to '{sink}'")
+    check_sample_id(rid)
+    if need_loss_mask and opts.loss_mask is None:
+        raise RequestOptionsError(
+            f"request {rid!r} has no loss_mask, and this server keeps final-state rows only at loss "
+            "positions (--export-final-rows loss): send custom_params "
+            f'{{"{REQUEST_KEY}": {{"loss_mask": [0/1 per prompt token]}}}} (sglang-hs capture does), '
+            "or use a server started with --export-final-rows all")
+    if rid in exported:
+        raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
+                                   "(exported samples are never overwritten)")
+    if rid in in_flight:
+        raise SampleInFlightError(f"sample id {rid!r} is being exported by a request in flight; "
+                                  "retry after it finishes")
+
+
+def _tag(sp: dict, **fields) -> None:
+    cp = sp.get("custom_params") or {}
+    sp["custom_params"] = {**cp, REQUEST_KEY: {**(cp.get(REQUEST_KEY) or {}), **fields}}
 
 
 async def hold_until_durable(out, adm: Admission, waiter, out_dir: str) -> None:

@@ -43,6 +43,10 @@ class ExportConfig:
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
     mooncake_segment_bytes: int = 4 << 30
+    # --export-sample-rate and --export-mode (admission.Policy): which requests are exported
+    # when they do not say, and whether answers wait for their sample (held) or not (live).
+    sample_rate: float = 1.0
+    mode: str = "held"
 
     @property
     def storage(self) -> Storage:
@@ -83,6 +87,17 @@ def check_sink(sink: str, export_dtype: Optional[str], final_rows: str) -> None:
         raise ExportConfigError(
             f"--export-sink {sink} writes {sink.split('-')[0]}'s own layout (speculators-fp8 is the fp8 one): "
             "drop --export-dtype and --export-final-rows, which shape the directory's files only.")
+
+
+def check_policy(mode: str, sample_rate: float, sink: str, final_rows: str) -> None:
+    """Live capture writes prompt and answer (decode rows), which the directory alone holds
+    and which have no loss mask to keep final rows by."""
+    if not 0.0 <= sample_rate <= 1.0:
+        raise ExportConfigError(f"--export-sample-rate {sample_rate}: give a share of requests in [0, 1].")
+    if mode == "live" and (sink != "directory" or final_rows != "all"):
+        raise ExportConfigError(
+            "--export-mode live writes each sampled request's prompt and answer into the export directory: "
+            "use it with --export-sink directory and --export-final-rows all (the defaults).")
 
 
 def check_out_dir(path: str) -> str:

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from sglang_hs.format import read_manifest
-from sglang_hs.protocol import ExportError, Outcome, SampleInFlightError
+from sglang_hs.protocol import ExportError, Outcome
 
 logger = logging.getLogger("sglang_hs.overlay.notify")
 Key = Tuple[str, Optional[str]]  # (rid, call id)
@@ -59,6 +59,9 @@ class ExportWaiter:
         self.in_flight: Set[str] = set()
         self._results: "collections.OrderedDict[Key, Outcome]" = collections.OrderedDict()
         self._abandoned: "collections.OrderedDict[Key, None]" = collections.OrderedDict()
+        # Live capture: calls answered before their sample; each rid stays in flight until
+        # its outcome arrives, so a resend meanwhile is not exported a second time.
+        self._live: Set[Key] = set()
         self._events: Dict[Key, asyncio.Event] = {}
         self._sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._sock.bind(addr)
@@ -78,6 +81,9 @@ class ExportWaiter:
         key = (outcome.rid, outcome.call_id)
         if outcome.ok:
             self.exported.add(outcome.rid)
+        if key in self._live:
+            self._live.discard(key)
+            self.in_flight.discard(outcome.rid)
         if key in self._abandoned:  # its request has gone; nobody will claim it
             del self._abandoned[key]
             return
@@ -88,20 +94,21 @@ class ExportWaiter:
             ev.set()
 
     def admit(self, rids: Iterable[str]) -> None:
-        rids = list(rids)
-        busy = [r for r in rids if r in self.in_flight]
-        if busy:
-            raise SampleInFlightError(f"sample id {busy[0]!r} is being exported by a request in flight; "
-                                      "retry after it finishes")
+        """A call's exported rids (admission.admit refused those in flight) are now in flight."""
         self.in_flight.update(rids)
 
-    def release(self, rids: Iterable[str], call_id: str, unclaimed: Iterable[str]) -> None:
-        """A /generate call is over: free its rids; outcomes it did not wait for are dropped."""
-        self.in_flight.difference_update(rids)
+    def release(self, rids: Iterable[str], call_id: str, unclaimed: Iterable[str], live: bool = False) -> None:
+        """A /generate call is over: free its rids; outcomes it did not wait for are dropped.
+        live: its rids without an outcome yet stay in flight until the outcome arrives."""
+        waiting = set()
         for rid in unclaimed:
             if self._results.pop((rid, call_id), None) is None:
                 self._abandoned[(rid, call_id)] = None
                 _cap(self._abandoned, self.MAX_UNCLAIMED)
+                if live:
+                    waiting.add(rid)
+                    self._live.add((rid, call_id))
+        self.in_flight.difference_update(r for r in rids if r not in waiting)
 
     async def wait(self, rid: str, call_id: str) -> Outcome:
         key = (rid, call_id)

@@ -212,6 +212,20 @@ def plan_decode(
     return rows, segments, failed
 
 
+def without_dropped(rows: Sequence[int], segments: Sequence[Segment]) -> Tuple[List[int], List[Segment]]:
+    """A forward's plan less the segments of samples the writer dropped (each segment owns
+    the next num_rows of `rows`, in order)."""
+    kept_rows: List[int] = []
+    kept: List[Segment] = []
+    at = 0
+    for seg in segments:
+        if not seg.state.dropped:
+            kept_rows.extend(rows[at:at + seg.num_rows])
+            kept.append(seg)
+        at += seg.num_rows
+    return kept_rows, kept
+
+
 AuxStates = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from sglang_hs.overlay.rows import (AuxStates, RequestState, Segment, gather_rows, plan_decode, plan_forward,
-                                    split_rows, storage_planes)
+                                    split_rows, storage_planes, without_dropped)
 from sglang_hs.overlay.staging import DeviceStager, GraphRows, Piece, copy_into
 from sglang_hs.overlay.writer import SampleWriter
 from sglang_hs.protocol import parse_request_options
@@ -65,7 +65,7 @@ class ExportRuntime:
         self, rid: str, prompt_ids: Sequence[int], custom_params: Optional[dict], aborted: Callable[[], bool]
     ) -> Optional[RequestState]:
         opts = parse_request_options(custom_params)  # validated already by the HTTP process
-        if not opts.export:
+        if opts.export is False:  # admission tags what it does not export (opted out, not sampled)
             return None
         return RequestState(rid=rid, prompt_ids=prompt_ids, options=opts, aborted=aborted)
 
@@ -82,7 +82,11 @@ class ExportRuntime:
         for st in failed:
             self._fail(st)
         self._maybe_log_stats()
-        if not segments or self.writer is None:
+        if self.writer is None:
+            return False
+        if any(seg.state.dropped for seg in segments):  # planning goes on for them; no rows are kept
+            rows, segments = without_dropped(rows, segments)
+        if not segments:
             return False
         self._fwd = _Forward(rows, segments, decode)
         return True
@@ -110,6 +114,12 @@ class ExportRuntime:
         planes = storage_planes(aux_rows, final_rows, storage)  # fp8: quantized here, before the copy
         fwd.staged = self.writer.pool.pieces(len(fwd.rows), self.num_aux, final_rows.shape[-1], planes[0].dtype,
                                              scaled=storage.scaled)
+        if fwd.staged is None:  # live capture and the host buffer is full: shed, never wait
+            planes = self._shed(fwd, planes)
+            if planes is None:
+                return
+            fwd.staged = self.writer.pool.pieces(len(fwd.rows), self.num_aux, final_rows.shape[-1], planes[0].dtype,
+                                                 scaled=storage.scaled)
         if on_gpu:
             if self._stager is None:
                 self._stager = DeviceStager(final.device)
@@ -117,6 +127,34 @@ class ExportRuntime:
         else:
             copy_into(planes, fwd.staged)
         self.copies += 1
+
+    def _shed(self, fwd: _Forward, planes: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Keep the samples of this forward that the host buffer has room for, those with the
+        most rows held first (the most work kept); drop and count the others. Returns the
+        kept rows' planes, or None (and no forward) when none fit."""
+        row_bytes = sum(p[0].numel() * p.element_size() for p in planes)
+        room = self.writer.pool.room(row_bytes)
+        keep = set()
+        for seg in sorted(fwd.segments, key=lambda g: -g.state.rows_held):
+            if seg.num_rows <= room:
+                room -= seg.num_rows
+                keep.add(id(seg))
+        at, index = 0, []
+        for seg in fwd.segments:
+            if id(seg) in keep:
+                index.extend(range(at, at + seg.num_rows))
+            else:
+                self._in_progress.pop(id(seg.state), None)
+                seg.state.drop("dropped: the host buffer was full (live capture)")
+                self.writer.drop(seg.state)
+                self.writer.shed(seg.state)
+            at += seg.num_rows
+        fwd.rows, fwd.segments = without_dropped(fwd.rows, fwd.segments)
+        if not fwd.segments:
+            self._fwd = None
+            return None
+        pos = torch.tensor(index, dtype=torch.long, device=planes[0].device)
+        return [p.index_select(0, pos) for p in planes]
 
     def end_forward(self, graph_ran: bool = False) -> None:
         """After the forward was issued; graph_ran: it replayed a CUDA graph, so the hook did

@@ -38,6 +38,7 @@ from sglang_hs.overlay.config import (
     ExportConfigError,
     check_aux_layer_ids,
     check_out_dir,
+    check_policy,
     check_sink,
     export_info,
     is_writer_rank,
@@ -145,6 +146,15 @@ def add_cli_args(result, parser):
     g.add_argument("--export-mooncake-segment-gib", type=float, default=4.0, metavar="GIB",
                    help="Memory the writer lends the Mooncake store; it must hold the samples trainers have "
                         "not read yet (default 4).")
+    g.add_argument("--export-sample-rate", type=float, default=1.0, metavar="P",
+                   help="Share of requests exported when a request does not say (custom_params "
+                        "sglang_hs.export true/false always wins), chosen from the rid so a replay exports the "
+                        "same requests (default 1: every request).")
+    g.add_argument("--export-mode", choices=["held", "live"], default="held",
+                   help="held (default): each exported request is answered once its sample is durable (capture "
+                        "jobs). live: answers never wait; sampled requests are exported with their answers "
+                        "(decode rows), and when the host buffer is full a sample is dropped and counted "
+                        "instead of slowing serving. See docs/live-capture.md.")
     g.add_argument("--export-allow-untested-model", action="store_true",
                    help="Export a model class whose layer ids read back right but whose export sglang-hs "
                         "has not compared with Hugging Face (see the README's family table).")
@@ -217,6 +227,7 @@ def _check_startup(server_args, args) -> ExportConfig:
         mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
         ids = check_aux_layer_ids(args.export_aux_layer_ids, mc.num_hidden_layers)
     check_sink(args.export_sink, args.export_dtype, args.export_final_rows)
+    check_policy(args.export_mode, args.export_sample_rate, args.export_sink, args.export_final_rows)
     if args.export_sink != "directory":
         _check_sink_imports(args.export_sink)
     if args.export_sink.startswith("speculators") and ids is None:
@@ -260,6 +271,8 @@ def _check_startup(server_args, args) -> ExportConfig:
         mooncake_protocol=args.export_mooncake_protocol,
         mooncake_device=args.export_mooncake_device,
         mooncake_segment_bytes=int(args.export_mooncake_segment_gib * (1 << 30)),
+        sample_rate=args.export_sample_rate,
+        mode=args.export_mode,
     )
 
 
@@ -363,7 +376,7 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids, sha
     import sglang
 
     from sglang_hs.overlay.notify import Notifier
-    from sglang_hs.overlay.staging import SlabPool
+    from sglang_hs.overlay.staging import SLAB_BYTES, SlabPool
     from sglang_hs.overlay.writer import SampleWriter
 
     sa = releases.resolved(runner.server_args)  # what the server runs with, not only what was typed
@@ -379,9 +392,33 @@ def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids, sha
         write_export_json(cfg.out_dir, info)
     else:
         check_compatible(existing, info)
-    pool = SlabPool(cfg.host_buffer_bytes, pin=str(runner.device).startswith("cuda"))
+    # live capture never makes the forward loop wait for host memory: it drops the sample
+    # A buffer below 16 slabs has 16 smaller ones (each still room for 64 float32 rows).
+    row_max = (len(ids) + 1) * (runner.model_config.hidden_size * 4 + 4)
+    slab = min(SLAB_BYTES, max(cfg.host_buffer_bytes // 16, 64 * row_max))
+    pool = SlabPool(cfg.host_buffer_bytes, slab_bytes=slab, pin=str(runner.device).startswith("cuda"),
+                    drop_when_full=cfg.mode == "live")
     return SampleWriter(_make_sink(cfg, sa.model_path, ids, shard), pool, Notifier(cfg.notify_addr),
-                        threads=cfg.writer_threads)
+                        threads=cfg.writer_threads, counters=_metrics_counters(shard))
+
+
+# The writer's counts as they appear on SGLang's /metrics (`_total` is added by Prometheus).
+METRICS = {"samples": ("sglang_hs:exported_samples", "Samples exported (durable in their sink)"),
+           "tokens": ("sglang_hs:exported_tokens", "Token positions of the samples exported"),
+           "bytes": ("sglang_hs:exported_bytes", "Bytes of the samples exported"),
+           "failed": ("sglang_hs:failed_samples", "Samples that could not be exported (each answered with its error)"),
+           "dropped": ("sglang_hs:dropped_samples", "Samples live capture dropped because the host buffer was full")}
+
+
+def _metrics_counters(shard: str) -> dict:
+    """Dependency (ledgered in FORK_NOTES.md): with --enable-metrics, SGLang sets
+    PROMETHEUS_MULTIPROC_DIR before its schedulers start and serves /metrics from every
+    process's prometheus_client files; counters made in a scheduler process then appear there."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return {}
+    from prometheus_client import Counter
+
+    return {k: Counter(name, doc, ["shard"]).labels(shard=shard) for k, (name, doc) in METRICS.items()}
 
 
 def _make_sink(cfg: ExportConfig, model_path: str, ids, shard: str):
@@ -634,15 +671,19 @@ def admit_generate_request(result, self):
         return None
     from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
-    from sglang_hs.overlay.admission import admit
+    from sglang_hs.overlay.admission import Policy, admit
 
     waiter = _http_waiter(cfg)
     rids = [self.rid] if self.is_single else list(self.rid)
     count = len(rids) * self.parallel_sample_num
-    params = [self.sampling_params] * count if isinstance(self.sampling_params, dict) else self.sampling_params
+    params = [self.sampling_params] * count if isinstance(self.sampling_params, dict) else list(self.sampling_params)
     adm = admit(rids, params, self.parallel_sample_num, self.input_embeds is not None, waiter.exported,
                 uuid.uuid4().hex, skip_prefix=HEALTH_CHECK_RID_PREFIX,
-                need_loss_mask=cfg.final_rows == "loss", sink=cfg.sink)
+                need_loss_mask=cfg.final_rows == "loss", sink=cfg.sink, in_flight=waiter.in_flight,
+                policy=Policy(cfg.sample_rate, cfg.mode == "live"))
+    # admit tags entries in place, and gives an entry of a shared dict its own copy in `params`
+    self.sampling_params = params[0] if isinstance(self.sampling_params, dict) and len(set(map(id, params))) == 1 \
+        else params
     waiter.admit(adm.rids)
     self._sglang_hs = adm
     return None
@@ -675,13 +716,13 @@ async def generate_request(original, self, obj, request=None):
     try:
         async for out in original(self, obj, request):
             adm = obj.__dict__.get("_sglang_hs")  # set by admit_generate_request (GenerateReqInput only)
-            if adm is not None and adm.rids:
+            if adm is not None and adm.rids and cfg.mode == "held":
                 await hold_until_durable(out, adm, waiter, cfg.out_dir)
             yield out
     finally:
         adm = obj.__dict__.get("_sglang_hs")
         if adm is not None:
-            waiter.release(adm.rids, adm.call_id, adm.unclaimed)
+            waiter.release(adm.rids, adm.call_id, adm.unclaimed, live=cfg.mode == "live")
 
 
 @seam("sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion._build_completion_response",

@@ -142,11 +142,17 @@ class SlabPool:
         if self.slab_bytes // row_bytes < 1:
             raise RuntimeError(f"sglang-hs: one row ({row_bytes} bytes) exceeds a slab")
         pieces, a = [], 0
+        with self._cv:
+            start = (self._cur, self._at)
         while a < n:
             carved = self._carve(row_bytes, n - a)
             if carved is None:  # drop_when_full
                 for p in pieces:
                     p.release()
+                with self._cv:  # give the room these rows took back to the next forward's
+                    cur, at = start
+                    if cur is not None and cur.refs > 0:
+                        self._cur, self._at = cur, at
                 return None
             slab, at, r = carved
 
@@ -163,6 +169,13 @@ class SlabPool:
             pieces.append(Piece(aux, fin, slab, a_s, f_s))
             a += r
         return pieces
+
+    def room(self, row_bytes: int) -> int:
+        """Rows of row_bytes that `pieces` can place now without waiting or overflowing."""
+        per = self.slab_bytes // row_bytes
+        with self._cv:
+            cur = (self.slab_bytes - self._at) // row_bytes if self._cur is not None else 0
+            return cur + (len(self._free) + self.max_slabs - self.pooled) * per
 
     def _carve(self, row_bytes: int, want: int):
         """(slab, byte offset, rows) for up to `want` rows: from the current slab while it has

@@ -24,16 +24,20 @@ class SampleWriter:
     """Writes complete samples into a sink (`sinks.py`) on background threads and reports
     each outcome; a sample counts as exported once its sink says it is durable."""
 
-    def __init__(self, sink, pool: SlabPool, notify: Notify, threads: int = 2):
+    def __init__(self, sink, pool: SlabPool, notify: Notify, threads: int = 2, counters: Optional[dict] = None):
         self.sink = sink
         self.storage: Storage = sink.storage  # how the forward stages rows for this sink
         self.pool = pool
         self.notify = notify
-        self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "write_s": 0.0}
+        self.stats: Dict[str, float] = {"samples": 0, "tokens": 0, "bytes": 0, "failed": 0, "dropped": 0,
+                                          "write_s": 0.0}
+        # The same counts for SGLang's /metrics (stat name -> a Prometheus counter), if it is on.
+        self.counters = counters or {}
         # Seconds from a prompt's last rows leaving the forward to its sample being durable,
         # and the part of it spent waiting for their device->host copy, for the most recent samples.
         self._durable_s: "collections.deque[Tuple[float, float]]" = collections.deque(maxlen=4096)
         self._lock = threading.Lock()
+        self._last_shed_log = float("-inf")
         self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._threads = [
             threading.Thread(target=self._run, name=f"sglang-hs-writer-{i}", daemon=True)
@@ -91,14 +95,11 @@ class SampleWriter:
             out = st.outcome(ok=True, path=placed.path, num_tokens=st.num_tokens, bytes=placed.bytes,
                              sink=self.sink.name, answer=placed.answer)
             with self._lock:
-                self.stats["samples"] += 1
-                self.stats["tokens"] += st.num_tokens
-                self.stats["bytes"] += placed.bytes
-                self.stats["write_s"] += time.perf_counter() - t0
+                self._count(samples=1, tokens=st.num_tokens, bytes=placed.bytes, write_s=time.perf_counter() - t0)
                 self._durable_s.append((time.perf_counter() - submitted, copied - submitted))
         if not out.ok:
             with self._lock:
-                self.stats["failed"] += 1
+                self._count(failed=1)
             logger.error("sglang-hs: sample %s not exported: %s", st.rid, out.error)
         self.notify(out)
 
@@ -106,8 +107,27 @@ class SampleWriter:
         """Report a sample that cannot be exported (the rows were never complete)."""
         logger.error("sglang-hs: sample %s not exported: %s", st.rid, error)
         with self._lock:
-            self.stats["failed"] += 1
+            self._count(failed=1)
         self.notify(st.outcome(error=error, status=status))
+
+    def shed(self, st: RequestState) -> None:
+        """Live capture dropped a sample under back-pressure: count it, log at most one line
+        a minute, and report it (the HTTP process keeps its rid in flight until then)."""
+        with self._lock:
+            self._count(dropped=1)
+            n, log = self.stats["dropped"], time.monotonic() - self._last_shed_log >= 60
+            if log:
+                self._last_shed_log = time.monotonic()
+        if log:
+            logger.warning("sglang-hs: live capture dropped sample %s: the host buffer is full (%d dropped so far; "
+                           "a larger --export-host-buffer-gib or a faster disk keeps more)", st.rid, n)
+        self.notify(st.outcome(error=st.error, status=503))
+
+    def _count(self, **deltas: float) -> None:  # with the lock held
+        for k, v in deltas.items():
+            self.stats[k] += v
+            if k in self.counters:
+                self.counters[k].inc(v)
 
     def durable_latency(self) -> Dict[str, float]:
         """p50/p99/max (ms) of the time from a prompt's rows leaving the forward to its sample
