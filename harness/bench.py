@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import datetime
+import json
 import os
 import platform
 import random
@@ -64,6 +65,48 @@ def measure_prefill(url: str, prompts: Sequence[List[int]], concurrency: int, ri
         res.update({"held_ms_p50": _pick(held, 0.5), "held_ms_p99": _pick(held, 0.99), "held_ms_max": held[-1],
                     "held_ms_last": max(done, key=lambda x: x[2])[3]})
     return res
+
+
+def measure_decode(url: str, prompts: Sequence[List[int]], concurrency: int, max_new_tokens: int,
+                   rid_prefix: str, export: Optional[bool] = None) -> Dict[str, float]:
+    """Stream every prompt's answer (max_new_tokens, greedy, ignore_eos) with `concurrency`
+    clients: output tokens/s over the round, and the inter-token latency (time between two
+    streamed chunks over the tokens the later one adds) pooled over every request."""
+    session = requests.Session()
+    session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=concurrency))
+
+    def one(i):
+        sp = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}
+        if export is not None:
+            sp["custom_params"] = {REQUEST_KEY: {"export": export}}
+        body = {"rid": f"{rid_prefix}-{i:06d}", "input_ids": prompts[i], "sampling_params": sp, "stream": True}
+        t0 = time.perf_counter()
+        gaps, first, last, done = [], None, None, 0
+        with session.post(url + "/generate", json=body, timeout=3600, stream=True) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+                now = time.perf_counter()
+                if n > done:
+                    if last is None:
+                        first = now - t0
+                    else:
+                        gaps.append((now - last) / (n - done))
+                    last, done = now, n
+        return done, first, gaps
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        got = list(ex.map(one, range(len(prompts))))
+    wall = time.perf_counter() - t0
+    itl = sorted(1000 * g for _, _, gaps in got for g in gaps)
+    ttft = sorted(1000 * f for _, f, _ in got if f is not None)
+    out = sum(n for n, _, _ in got)
+    return {"requests": len(prompts), "output_tokens": out, "seconds": wall, "output_tokens_per_s": out / wall,
+            "itl_ms_p50": round(_pick(itl, 0.5), 3), "itl_ms_p99": round(_pick(itl, 0.99), 3),
+            "ttft_ms_p50": round(_pick(ttft, 0.5), 1)}
 
 
 def _pick(xs: Sequence[float], q: float) -> float:

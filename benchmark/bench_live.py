@@ -1,0 +1,112 @@
+"""Live capture's cost to serving, side by side on one GPU: decode throughput (output
+tokens/s) and p99 inter-token latency with export off, live capture at sample rate 0.1, and
+at 1.0.
+
+Two servers run at once, Llama-3-8B geometry with dummy weights, CUDA graphs on: "off" (no
+export) and "live" (`--export-mode live --export-sample-rate 0.1`). On the live server, a
+request that says nothing is exported when its rid is sampled (arm live_0.1), and one that
+says `"export": true` always is (arm live_1.0: every request, as a rate of 1 would). Arms
+are measured in rounds whose order rotates; each round's exported files are removed before
+the next, as a trainer consuming them would.
+
+    python benchmark/bench_live.py --rounds 5 --out benchmark/results/gpu_live_h200.json
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+import requests
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the dev harness
+
+from bench_gpu_export import LLAMA3_8B  # noqa: E402
+from harness.bench import measure_decode, provenance, random_prompts, spread  # noqa: E402
+from sglang_hs.format import iter_samples  # noqa: E402
+from sglang_hs.tools.serve import LocalServer  # noqa: E402
+
+FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton",
+         "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.4",
+         "--enable-metrics"]
+ARMS = [("off", "off", None), ("live_0.1", "live", None), ("live_1.0", "live", True)]
+
+
+def counters(url):
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^sglang_hs:(\w+)_total\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def clear(export_dir):
+    """Remove the round's samples (the manifest keeps listing them; nothing reads it here)."""
+    for _, path in iter_samples(export_dir):
+        os.remove(path)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--work", default="/tmp")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    model = tempfile.mkdtemp(prefix="llama3-8b-geometry-")
+    json.dump(LLAMA3_8B, open(f"{model}/config.json", "w"))
+    export_dir = tempfile.mkdtemp(prefix="hs-live-", dir="/dev/shm")
+    res = {"benchmark": "gpu_live_capture_decode_llama3_8b_geometry", "provenance": provenance([sys.executable, *sys.argv]),
+           "server_flags": FLAGS, "shape": vars(a), "rounds": {name: [] for name, _, _ in ARMS}}
+
+    def save():
+        json.dump(res, open(a.out, "w"), indent=2)
+
+    with LocalServer(["--model-path", model, *FLAGS], f"{a.work}/live-off.log", cpu=False) as off, \
+            LocalServer(["--model-path", model, *FLAGS, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
+                         "--export-sample-rate", "0.1"], f"{a.work}/live-on.log", cpu=False) as live:
+        servers = {"off": off, "live": live}
+        warm = random_prompts(64, a.prompt_len, seed=3, vocab=128000)
+        for name, srv in servers.items():
+            measure_decode(srv.url, warm, 64, 32, rid_prefix=f"warm-{name}", export=False)
+        for r in range(a.rounds):
+            ps = random_prompts(a.requests, a.prompt_len, seed=100 + r, vocab=128000)
+            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
+            for name, server, export in order:
+                srv = servers[server]
+                before = counters(srv.url) if server == "live" else {}
+                m = measure_decode(srv.url, ps, a.concurrency, a.max_new_tokens, rid_prefix=f"r{r}-{name}",
+                                   export=export)
+                if server == "live":
+                    after = counters(srv.url)  # samples still being written count in the next round
+                    m["counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    clear(export_dir)
+                m["position_in_round"] = order.index((name, server, export))
+                res["rounds"][name].append(m)
+                save()
+                print(f"round {r} {name}: {m['output_tokens_per_s']:.0f} out tok/s, ITL p99 {m['itl_ms_p99']} ms "
+                      f"{m.get('counters', '')}", flush=True)
+        res["startup_s"] = {k: s.startup_s for k, s in servers.items()}
+        res["counters_total"] = counters(live.url)
+    rounds = res["rounds"]
+    res["summary"] = {name: {"output_tokens_per_s": spread([m["output_tokens_per_s"] for m in v]),
+                             "itl_ms_p99": spread([m["itl_ms_p99"] for m in v]),
+                             "itl_ms_p50": spread([m["itl_ms_p50"] for m in v])} for name, v in rounds.items()}
+    for name in ("live_0.1", "live_1.0"):
+        s = res["summary"][name]
+        s["throughput_ratio_vs_off"] = spread([x["output_tokens_per_s"] / o["output_tokens_per_s"]
+                                               for x, o in zip(rounds[name], rounds["off"])])
+        s["itl_p99_ratio_vs_off"] = spread([x["itl_ms_p99"] / o["itl_ms_p99"] for x, o in zip(rounds[name], rounds["off"])])
+        s["throughput_cost"] = 1 - s["throughput_ratio_vs_off"]["median"]
+    res["goals"] = {"live_0.1_cost_le_1pct": res["summary"]["live_0.1"]["throughput_cost"] <= 0.01,
+                    "live_1.0_cost_le_5pct": res["summary"]["live_1.0"]["throughput_cost"] <= 0.05}
+    save()
+    shutil.rmtree(export_dir, ignore_errors=True)
+    print(json.dumps(res["summary"], indent=1), json.dumps(res["goals"]))
+
+
+if __name__ == "__main__":
+    main()
