@@ -94,90 +94,78 @@ def assert_complete(out):
     assert sorted(ids) == sorted(IDS) and len(ids) == len(set(ids)), "missing or duplicated samples"
 
 
-def test_server_killed_mid_capture_is_waited_for_and_the_capture_finishes_after_a_restart(tiny_path, tmp_path):
-    """kill -9 of the whole server mid-capture, then a restart on the same port and directory:
-    the capture client, left running, waits for it, resends what was lost, and ends with every
-    sample listed once (it used to fail every remaining sample within seconds)."""
-    out, journal_dir = str(tmp_path / "export"), str(tmp_path / "capture")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in IDS.values()))
-    expected = {sample_id("", i, {"input_ids": ids}): ids for i, ids in enumerate(IDS.values())}
-    srv = LocalServer(args(tiny_path, out), str(tmp_path / "a.log")).__enter__()
-    client = subprocess.Popen([sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--server", srv.url,
-                               "--data", str(data), "--out", journal_dir, "--tokenizer", tiny_path,
-                               "--concurrency", "4", "--server-wait", "400", "--no-progress"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def stop_waiting_client(client, log, url, sig):
+    """Once the client says it is waiting for `url`, send it `sig`: (exit status, seconds to exit)."""
+    t0 = time.time()
+    while f"waiting for {url} (Connection refused) for " not in log.read_text() and time.time() - t0 < 60:
+        time.sleep(0.1)
+    assert client.poll() is None, log.read_text()
+    t0 = time.time()
+    client.send_signal(sig)
     try:
-        t0 = time.time()
-        while len(read_manifest(out)) < 8 and time.time() - t0 < 300:
-            time.sleep(0.05)
-        os.killpg(srv.proc.pid, signal.SIGKILL)
-        srv.proc.wait(60)
-        srv.__exit__(None, None, None)
-        listed = {e["id"] for e in read_manifest(out)}
-        assert 8 <= len(listed) < N, "the kill came too late to test anything"
-        # A sample the client counts as exported was answered 200, which leaves after its
-        # manifest line.
-        assert set(load_done(journal_dir)) <= listed, "a 200 was answered for a sample not listed"
-        assert client.poll() is None, "the client gave up while the server was down"
-        with LocalServer(args(tiny_path, out), str(tmp_path / "b.log"), port=srv.port):
-            text = client.communicate(timeout=600)[0]
+        rc = client.wait(60)
     finally:
         if client.poll() is None:
             client.kill()
-    assert client.returncode == 0 and f"0 failed of {N}" in text, text
-    rep = validate_export(out, expected_tokens=expected)
-    ids = [e["id"] for e in read_manifest(out)]
-    assert rep.ok, rep.errors
-    assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids)), "missing or duplicated samples"
+    text = log.read_text()
+    assert rc == 128 + sig and time.time() - t0 < 5, (rc, time.time() - t0, text[-3000:])
+    assert f"stopped by {signal.Signals(sig).name}" in text, text[-3000:]
 
 
-def test_a_capture_stopped_while_waiting_for_a_killed_server_exits_in_seconds_and_a_rerun_completes(
+def test_a_killed_server_is_waited_for_a_stop_ends_the_wait_in_seconds_and_restarts_complete_the_capture(
         tiny_path, tmp_path):
-    """The server killed -9 under a running capture, the client waiting for it (--server-wait
-    600): Ctrl-C, then after a restart and another kill SIGTERM, each end the wait within 5 s
-    (130, 143) with the journal intact; a third run finishes with none missing or twice. The
-    client used to sit out the whole wait, silently."""
+    """The server killed -9 under a running capture (--server-wait 600). A client waiting for
+    it mid-run stops on Ctrl-C within 5 s (130), and one waiting for it at start on SIGTERM
+    (143), journal intact (they used to sit out the whole wait, silently). Then a resumed
+    capture, the server killed under it again, is left running: it waits for the restart,
+    resends what was lost and ends with every sample listed once (it used to fail every
+    remaining sample within seconds)."""
     out, journal_dir = str(tmp_path / "export"), tmp_path / "capture"
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in IDS.values()))
     expected = {sample_id("", i, {"input_ids": ids}): ids for i, ids in enumerate(IDS.values())}
     cmd = [sys.executable, "-m", "sglang_hs.tools.cli", "capture", "--data", str(data), "--out", str(journal_dir),
            "--tokenizer", tiny_path, "--concurrency", "4", "--server-wait", "600"]
-    port = None
-    for run, (sig, listed_before_kill) in enumerate([(signal.SIGINT, 8), (signal.SIGTERM, 16)]):
-        srv = LocalServer(args(tiny_path, out), str(tmp_path / f"server{run}.log"), port=port).__enter__()
-        port, log = srv.port, tmp_path / f"client{run}.log"
+
+    def start_client(url, name):
+        log = tmp_path / f"{name}.log"
         with open(log, "w") as f:
-            client = subprocess.Popen(cmd + ["--server", srv.url], stdout=f, stderr=subprocess.STDOUT)
-        try:
-            t0 = time.time()
-            while len(read_manifest(out)) < listed_before_kill and time.time() - t0 < 300:
-                time.sleep(0.05)
-            os.killpg(srv.proc.pid, signal.SIGKILL)
-            srv.proc.wait(60)
-            srv.__exit__(None, None, None)
-            t0 = time.time()
-            while f"waiting for {srv.url} (Connection refused) for " not in log.read_text() and time.time() - t0 < 60:
-                time.sleep(0.1)
-            assert client.poll() is None, log.read_text()
-            t0 = time.time()
-            client.send_signal(sig)
-            rc = client.wait(60)
-            took = time.time() - t0
-        finally:
-            if client.poll() is None:
-                client.kill()
-        text = log.read_text()
-        assert rc == 128 + sig and took < 5, (rc, took, text[-3000:])
-        assert f"stopped by {signal.Signals(sig).name}" in text, text[-3000:]
+            return subprocess.Popen(cmd + ["--server", url], stdout=f, stderr=subprocess.STDOUT), log
+
+    def kill_after(srv, listed):
+        t0 = time.time()
+        while len(read_manifest(out)) < listed and time.time() - t0 < 300:
+            time.sleep(0.05)
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(60)
+        srv.__exit__(None, None, None)
+        # A sample the client counts as exported was answered 200, which leaves after its manifest line.
         lines = (journal_dir / "capture.jsonl").read_text().splitlines()
         assert len(load_done(str(journal_dir))) == len(lines), "a journal line was torn"
-        assert set(load_done(str(journal_dir))) <= {e["id"] for e in read_manifest(out)}
-        assert len(read_manifest(out)) < N, "the stops came too late to test anything"
-    with LocalServer(args(tiny_path, out), str(tmp_path / "server2.log"), port=port) as srv:
-        r = subprocess.run(cmd + ["--server", srv.url, "--no-progress"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and f"0 failed of {N}" in r.stdout, r.stdout + r.stderr
+        assert set(load_done(str(journal_dir))) <= {e["id"] for e in read_manifest(out)}, \
+            "a 200 was answered for a sample not listed"
+        assert listed <= len(read_manifest(out)) < N, "the kill came too late to test anything"
+
+    srv = LocalServer(args(tiny_path, out), str(tmp_path / "server0.log")).__enter__()
+    port = srv.port
+    client, log = start_client(srv.url, "client0")
+    kill_after(srv, 8)
+    stop_waiting_client(client, log, srv.url, signal.SIGINT)
+    client, log = start_client(srv.url, "client1")  # the server is still down
+    stop_waiting_client(client, log, srv.url, signal.SIGTERM)
+
+    srv = LocalServer(args(tiny_path, out), str(tmp_path / "server1.log"), port=port).__enter__()
+    client, log = start_client(srv.url, "client2")
+    try:
+        kill_after(srv, 16)
+        assert client.poll() is None, "the client gave up while the server was down"
+        with LocalServer(args(tiny_path, out), str(tmp_path / "server2.log"), port=port):
+            rc = client.wait(600)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    text = log.read_text()
+    assert rc == 0 and f"0 failed of {N}" in text, text[-3000:]
     rep = validate_export(out, expected_tokens=expected)
     ids = [e["id"] for e in read_manifest(out)]
     assert rep.ok, rep.errors
