@@ -89,3 +89,32 @@ def test_a_pool_that_drops_when_full_never_waits_nor_overflows():
     for p in a:
         p.release()
     assert pool.in_use == 0 and pool.pieces(1, 3, 8, torch.bfloat16) is not None
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 3)), min_size=1, max_size=40))
+def test_room_says_exactly_what_a_dropping_pool_can_place_and_a_refusal_gives_it_all_back(ops):
+    """Live capture decides which samples to keep from `room`: a request for at most that
+    many rows is placed, one for more is refused and leaves the room as it was."""
+    pool = SlabPool(4 * 640, slab_bytes=640, drop_when_full=True)  # 4 slabs of 10 rows of 64 bytes
+    held = []
+    for n, free in ops:
+        for _ in range(min(free, len(held))):  # the writer frees the oldest samples' rows
+            for p in held.pop(0):
+                p.release()
+        room = pool.room(64)
+        got = pool.pieces(n, 1, 8, torch.float32)
+        assert (got is not None) == (n <= room), (n, room)
+        if got is None:
+            assert pool.room(64) == room
+        else:
+            assert sum(p.rows for p in got) == n and pool.room(64) == room - n
+            held.append(got)
+    for ps in held:
+        for p in ps:
+            p.release()
+    assert pool.in_use == 0 and pool.room(64) == 40 and pool.overflow == 0
