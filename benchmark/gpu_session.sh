@@ -55,10 +55,10 @@ for step in "$@"; do
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
     decode) SGLANG_HS_GPU_RESULTS=$OUT/gpu_decode.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_export_gpu.py \
              -k decode_rows -p no:cacheprovider 2>&1 | tee "$OUT/gpu_decode.txt" ;;
-    live) $T python3 benchmark/bench_live.py --rounds ${ROUNDS:-5} --out $OUT/gpu_live.json --work $SGLANG_HS_LOGS \
+    live) $T python3 benchmark/bench_live.py --rounds ${ROUNDS:-5} --requests ${LIVE_REQUESTS:-128} --out $OUT/gpu_live.json --work $SGLANG_HS_LOGS \
              2>&1 | tee "$OUT/bench_live.txt" ;;
     regenerate) M=/tmp/online-model; tiny_gpu_model $M || exit 6
-         TMPDIR=/dev/shm $T python3 benchmark/bench_regenerate.py --gpu --model $M --rounds ${ROUNDS:-5} --records 64 \
+         TMPDIR=/dev/shm $T python3 benchmark/bench_regenerate.py --gpu --model $M --rounds ${ROUNDS:-5} --records ${REGEN_RECORDS:-64} \
              --max-new-tokens 256 --concurrency 32 --out $OUT/gpu_regenerate.json 2>&1 | tee "$OUT/bench_regenerate.txt" ;;
     stash) mkdir -p /tmp/stash && cp -v .gpu/parts-*/* /tmp/stash/ ;;
     smollm2) [ -f /tmp/smollm2/model.safetensors ] || {
