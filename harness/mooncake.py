@@ -11,16 +11,18 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from sglang_hs.tools.serve import free_port
 
 
 class MooncakeMaster:
     """`with MooncakeMaster(log) as m:` m.address is "127.0.0.1:PORT"; `kill()` and
-    `start()` stop and restart it on the same port (a fault test)."""
+    `start()` stop and restart it on the same port (a fault test); `flags` go to
+    mooncake_master as they are."""
 
-    def __init__(self, log_path: str, port: Optional[int] = None):
+    def __init__(self, log_path: str, port: Optional[int] = None, flags: Sequence[str] = ()):
+        self.flags = list(flags)
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -34,7 +36,7 @@ class MooncakeMaster:
         log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
             [self.exe, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={free_port()}", "--enable_http_metadata_server=false"],
+             f"--metrics_port={free_port()}", "--enable_http_metadata_server=false", *self.flags],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         t0 = time.time()

@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import os
 
 import pytest
@@ -6,32 +8,54 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(REPO, ".cache", "models")
 
 
+@contextlib.contextmanager
+def one_builder():
+    """`make test` runs modules in two worker processes (pytest-xdist), each with its own
+    session fixtures: the first to need a cached model builds it, the other waits and reuses it."""
+    os.makedirs(MODELS, exist_ok=True)
+    with open(os.path.join(MODELS, ".build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def pytest_collection_modifyitems(items):
+    """Server modules first, then unit, then GPU (skipped here): `make test` hands whole modules
+    to two workers in this order (--no-loadscope-reorder), so the many short unit modules fill
+    the end of the run instead of one long server module running alone."""
+    rank = {"server": 0, "unit": 1}
+    items.sort(key=lambda item: rank.get(os.path.basename(os.path.dirname(str(item.path))), 2))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     from sglang_hs.tools import models
 
-    return models.smollm2(os.path.join(MODELS, "smollm2-135m-instruct"))
+    with one_builder():
+        return models.smollm2(os.path.join(MODELS, "smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="session")
 def tiny_path(smollm2_path):
     from harness import models
 
-    return models.tiny("llama", os.path.join(MODELS, "tiny-llama-8l"), smollm2_path)
+    with one_builder():
+        return models.tiny("llama", os.path.join(MODELS, "tiny-llama-8l"), smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def tiny_deepseek_path(smollm2_path):
     from harness import models
 
-    return models.tiny("deepseek_v3", os.path.join(MODELS, "tiny-deepseek-v3-8l"), smollm2_path)
+    with one_builder():
+        return models.tiny("deepseek_v3", os.path.join(MODELS, "tiny-deepseek-v3-8l"), smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def tiny_kimi_path(smollm2_path):
     from harness import models
 
-    return models.tiny_kimi_k25(os.path.join(MODELS, "tiny-kimi_k25-8l"), smollm2_path)
+    with one_builder():
+        return models.tiny_kimi_k25(os.path.join(MODELS, "tiny-kimi_k25-8l"), smollm2_path)
 
 
 TRAINERS = os.path.join(REPO, ".cache", "trainers")

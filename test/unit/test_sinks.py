@@ -163,12 +163,15 @@ def test_a_full_segment_fails_a_specforge_sample_whole_until_the_trainer_release
 
 def test_a_full_segment_evicts_unread_speculators_samples(tmp_path, trainers):
     """hs-connectors' producer puts unpinned objects (as its vLLM connector does). A full
-    segment fails the next sample with a 503 that says so; then Mooncake's eviction (above
-    90% of the segment) makes room by removing samples that no trainer has read. That frees
+    segment fails the next sample with a 503 that says so; then Mooncake's eviction (above its
+    high watermark) makes room by removing samples that no trainer has read. That frees
     what a killed trainer left behind, and is the limit for a live one: the segment must hold
     every sample answered but not read yet, or the trainer finds one gone (hs-connectors'
     reader raises after polling for it)."""
-    with MooncakeMaster(str(tmp_path / "master.log")) as m:
+    # Eviction starts at the high watermark (90% by default) and runs beside the puts: on a busy
+    # machine (two test workers) it kept pace with 40 puts and the segment never filled. At 100%
+    # it starts only once a put finds the segment full, so the test sees both, at any speed.
+    with MooncakeMaster(str(tmp_path / "master.log"), flags=["--eviction_high_watermark_ratio=1.0"]) as m:
         sink, store, state = mooncake_sink("speculators-mooncake", m, segment_bytes=16 << 20)
         placed = []
         with pytest.raises(ExportError, match="no space left in the Mooncake segments") as e:
