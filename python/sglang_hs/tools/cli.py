@@ -22,6 +22,9 @@ start; 75 a server stayed away; 130 Ctrl-C; 143 SIGTERM. Rerun the same command 
 """
 
 
+DIRS_HELP = "an export directory; several (or a file listing them, one per line) are read as one dataset"
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-cpu"]:  # every other argument belongs to the SGLang launcher
@@ -32,7 +35,7 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve-cpu", help="run `python -m sglang.launch_server ARGS...` on a machine without a GPU")
     v = sub.add_parser("verify", help="recompute samples with HF transformers and compare")
-    v.add_argument("dir")
+    v.add_argument("dir", nargs="+", metavar="DIR", help=DIRS_HELP)
     v.add_argument("--model", help="HF checkpoint (default: the model_path in export.json)")
     v.add_argument("--samples", type=int, default=8, help="how many samples (0 = all)")
     v.add_argument("--device", default="cpu")
@@ -69,17 +72,18 @@ def main(argv=None) -> None:
                         "last run stopped may be exported twice)")
     c.add_argument("--no-progress", action="store_true")
     i = sub.add_parser("inspect", help="summary of an export directory")
-    i.add_argument("dir")
+    i.add_argument("dir", nargs="+", metavar="DIR", help=DIRS_HELP)
     i.add_argument("--json", action="store_true")
     i.add_argument("--against", metavar="URL", help="a serving SGLang server: warn where it computes with other "
                                                     "numerics than the export was captured with")
     r = sub.add_parser("repair", help="reconcile an export directory after a crash (dry run unless --apply)")
-    r.add_argument("dir")
+    r.add_argument("dir", nargs="+", metavar="DIR", help="export directories (or files listing them), each "
+                                                       "repaired on its own")
     r.add_argument("--apply", action="store_true", help="change the directory (no server may be writing to it)")
     from sglang_hs.tools.masks import MASK_RULES
 
     k = sub.add_parser("convert", help="write a trainer's layout")
-    k.add_argument("dir")
+    k.add_argument("dir", nargs="+", metavar="DIR", help=DIRS_HELP)
     k.add_argument("--to", choices=["specforge", "speculators"], required=True)
     k.add_argument("dest")
     k.add_argument("--model", help="the target checkpoint: its tokenizer (loss-mask rules), final norm weight "
@@ -108,7 +112,11 @@ def main(argv=None) -> None:
     x.add_argument("--mooncake-master", help="specforge: the mooncake_master HOST:PORT the servers use")
     x.add_argument("--draft-vocab-size", type=int, default=32000, help="specforge: the draft's vocabulary")
     x.add_argument("--trust-remote-code", action="store_true")
-    a = p.parse_args(argv)
+    # Options may come anywhere, also between several DIRs and DEST (`convert D1 D2 --to X DEST`),
+    # which plain parse_args splits wrongly; intermixed parsing is refused on subparsers, so the
+    # command's own parser reads its arguments.
+    cmd = sub.choices.get(argv[0]) if argv else None
+    a = cmd.parse_intermixed_args(argv[1:], argparse.Namespace(cmd=argv[0])) if cmd else p.parse_args(argv)
     if a.cmd == "verify":
         from sglang_hs.tools.verify import verify_export
 
@@ -118,7 +126,7 @@ def main(argv=None) -> None:
 
             print(json.dumps(rep.to_dict(), indent=2))
         else:
-            print(f"{rep.samples} samples, {rep.tokens} tokens")
+            print("\n".join([*rep.notes, f"{rep.samples} samples, {rep.tokens} tokens"]))
             print(rep.table())
             for e in rep.format_errors:
                 print("format error:", e)
@@ -149,7 +157,10 @@ def main(argv=None) -> None:
         from sglang_hs.tools.convert import inspect_export
         from sglang_hs.format import human_bytes
 
-        r = inspect_export(a.dir)
+        try:
+            r = inspect_export(a.dir)
+        except ValueError as e:
+            sys.exit(f"sglang-hs inspect: {e}")
         if a.against:
             import requests
 
@@ -157,7 +168,7 @@ def main(argv=None) -> None:
             from sglang_hs.tools.convert import compare_with_server
 
             served = requests.get(a.against.rstrip("/") + "/get_server_info", timeout=30).json()
-            r["against"] = {"url": a.against, "differences": compare_with_server(read_export_json(a.dir) or {}, served)}
+            r["against"] = {"url": a.against, "differences": compare_with_server(read_export_json(r["dirs"][0]) or {}, served)}
         if a.json:
             print(json.dumps(r, indent=2))
         else:
@@ -165,6 +176,8 @@ def main(argv=None) -> None:
                   f"({r['bytes_per_token']:.0f} B/token), aux layers {r['aux_layer_ids']} + final, "
                   f"computed in {r['dtype']}, stored as {r['export_dtype']}, final rows: {r['final_rows']}, "
                   f"hidden {r['hidden_size']}")
+            for sid, ds in list(r["in_several_dirs"].items())[:20]:
+                print(f"  sample {sid!r} is listed in {len(ds)} directories ({', '.join(ds)}); read from {ds[0]}")
             for k_, v in r["length_histogram"].items():
                 print(f"  {k_:>12} tokens: {v}")
             if r["failed_ids"]:
@@ -186,8 +199,14 @@ def main(argv=None) -> None:
         return
     if a.cmd == "repair":
         from sglang_hs.format import repair_export
+        from sglang_hs.tools.dirs import expand
 
-        print("\n".join(repair_export(a.dir, apply=a.apply).lines()))
+        try:
+            dirs = expand(a.dir)
+        except ValueError as e:
+            sys.exit(f"sglang-hs repair: {e}")
+        for d in dirs:
+            print("\n".join([f"{d}:"] * (len(dirs) > 1) + repair_export(d, apply=a.apply).lines()))
         return
     if a.cmd == "convert":
         from sglang_hs.tools import convert
@@ -235,11 +254,14 @@ def _follow(a) -> None:
     if a.to != "speculators":
         sys.exit("sglang-hs convert --follow: only --to speculators (SpecForge's offline reader lists its files once "
                  "at start; stream to it with --export-sink specforge instead)")
+    if len(a.dir) != 1:
+        sys.exit("sglang-hs convert --follow: give one export directory; for several, run one --follow per directory "
+                 "into the same DEST (each writes the rows of its own samples)")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        rep = follow_speculators(a.dir, a.dest, a.model, idle_exit_s=a.idle_exit, stop=stop,
+        rep = follow_speculators(a.dir[0], a.dest, a.model, idle_exit_s=a.idle_exit, stop=stop,
                                  progress=lambda r: print(r.line(), flush=True))
     except ValueError as e:
         sys.exit(f"sglang-hs convert --follow: {e}")

@@ -29,7 +29,7 @@ import glob
 import json
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from safetensors import safe_open
@@ -40,13 +40,12 @@ from sglang_hs.format import (
     Storage,
     decode_sample,
     final_at_every_position,
-    iter_samples,
     load_sample,
-    read_export_json,
     row_at_every_token,
     sample_metadata,
 )
 from sglang_hs.layouts import SPECULATORS_LAST_LAYER, final_norm_weight, speculators_fp8_planes, speculators_planes
+from sglang_hs.tools.dirs import ExportDirs
 from sglang_hs.tools.masks import MASK_RULES, apply_mask_rule, separator_ids
 
 SPECFORGE_GROUP = 2000
@@ -74,21 +73,20 @@ class ExportDataset(torch.utils.data.Dataset):
     `final_hidden_states` holds those rows and `final_positions` their positions
     (`format.final_at_every_position` puts them in place)."""
 
-    def __init__(self, out_dir: str, dtype: Optional[torch.dtype] = None):
-        self.dir = out_dir
-        self.info = read_export_json(out_dir)
-        if self.info is None:
-            raise ValueError(f"{out_dir} is not an export directory (no export.json)")
+    def __init__(self, out_dir: Union[str, Sequence[str]], dtype: Optional[torch.dtype] = None):
+        """out_dir: an export directory, or several read as one (tools.dirs)."""
+        self.dirs = ExportDirs.open(out_dir)
+        self.info = self.dirs.info
         self.storage = Storage.of_export(self.info)
         self.dtype = dtype or getattr(torch, self.info["dtype"])
-        entries = [e for e, _ in iter_samples(out_dir)]
+        entries = self.dirs.entries
         self.entries = [entries[i] for i in dataset_order([e["id"] for e in entries])]
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def path(self, i: int) -> str:
-        return os.path.join(self.dir, self.entries[i]["path"])
+        return self.dirs.path(self.entries[i])
 
     def provenance(self, i: int) -> Optional[CaptureProvenance]:
         return CaptureProvenance.of_sample(sample_metadata(self.path(i)))
@@ -197,10 +195,10 @@ def _fresh(dest: str) -> None:
     os.makedirs(dest, exist_ok=True)
 
 
-def to_specforge(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions()) -> ConvertReport:
+def to_specforge(out_dir: Union[str, Sequence[str]], dest: str, opts: ConvertOptions = ConvertOptions()) -> ConvertReport:
     ds = ExportDataset(out_dir)
     rule = opts.loss_mask or DEFAULT_MASK_RULE["specforge"]
-    rep = ConvertReport("specforge", dest, len(ds), rule)
+    rep = ConvertReport("specforge", dest, len(ds), rule, notes=ds.dirs.lines())
     masks = _Masks(ds, rule, opts, rep)
     _fresh(dest)
     model = opts.model_path or ds.info["model_path"]
@@ -327,12 +325,12 @@ def write_speculators_index(dest: str, rows: Sequence[Tuple[List[int], List[int]
     torch.save(dict(freq), os.path.join(dest, "token_freq.pt"))
 
 
-def to_speculators(out_dir: str, dest: str, opts: ConvertOptions = ConvertOptions()) -> ConvertReport:
+def to_speculators(out_dir: Union[str, Sequence[str]], dest: str, opts: ConvertOptions = ConvertOptions()) -> ConvertReport:
     ds = ExportDataset(out_dir)
     model = opts.model_path or ds.info["model_path"]
     w = final_norm_weight(model)
     rule = opts.loss_mask or DEFAULT_MASK_RULE["speculators"]
-    rep = ConvertReport("speculators", dest, len(ds), rule)
+    rep = ConvertReport("speculators", dest, len(ds), rule, notes=ds.dirs.lines())
     masks = _Masks(ds, rule, opts, rep)
     _fresh(dest)
     hs_dir = os.path.join(dest, "hidden_states")
@@ -374,34 +372,38 @@ def write_speculators_sample(hs_dir: str, row: int, sample_id: str, info: dict, 
 
 def _write_index(dest: str, ds: ExportDataset, layout: str, rule: str) -> None:
     with open(os.path.join(dest, "sglang_hs_index.json"), "w") as f:
-        json.dump({"layout": layout, "source": os.path.abspath(ds.dir), "export": ds.info, "loss_mask_rule": rule,
+        json.dump({"layout": layout, "sources": [os.path.abspath(d) for d in ds.dirs.dirs], "export": ds.info,
+                   "loss_mask_rule": rule,
                    "ids": [e["id"] for e in ds.entries]}, f, indent=1)
 
 
-def inspect_export(out_dir: str) -> dict:
-    """Samples, tokens, bytes, layers, dtype, length histogram, and ids that failed in capture."""
-    info = read_export_json(out_dir) or {}
-    entries = [e for e, _ in iter_samples(out_dir)]
+def inspect_export(out_dir: Union[str, Sequence[str]]) -> dict:
+    """Samples, tokens, bytes, layers, dtype, length histogram, and ids that failed in capture,
+    of one export directory or several read as one (each sample id counted once)."""
+    dirs = ExportDirs.open(out_dir)
+    info, entries = dirs.info, dirs.entries
     lengths = [e["num_tokens"] for e in entries]
-    size = sum(os.path.getsize(p) for _, p in iter_samples(out_dir) if os.path.exists(p))
+    size = sum(os.path.getsize(dirs.path(e)) for e in entries if os.path.exists(dirs.path(e)))
     edges = [1, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 1 << 30]
     hist = {f"{a}-{b - 1}" if b < 1 << 30 else f">={a}": sum(a <= n < b for n in lengths)
             for a, b in zip(edges, edges[1:])}
-    failed: List[str] = []
-    fpath = os.path.join(out_dir, "capture_failed.jsonl")
-    if os.path.exists(fpath):
-        done = {e["id"] for e in entries}
-        with open(fpath) as f:
-            failed = sorted({json.loads(l)["id"] for l in f if l.strip()} - done)
+    failed: set = set()
+    for d in dirs.dirs:
+        fpath = os.path.join(d, "capture_failed.jsonl")
+        if os.path.exists(fpath):
+            with open(fpath) as f:
+                failed |= {json.loads(l)["id"] for l in f if l.strip()}
     storage = Storage.of_export(info)
-    return {"dir": out_dir, "samples": len(entries), "tokens": sum(lengths), "bytes": size,
-            "bytes_per_token": round(size / max(sum(lengths), 1), 1),
+    return {"dir": ", ".join(dirs.dirs), "dirs": dirs.dirs, "samples": len(entries), "tokens": sum(lengths),
+            "bytes": size, "bytes_per_token": round(size / max(sum(lengths), 1), 1),
             "export_dtype": storage.dtype or info.get("dtype"), "final_rows": storage.final_rows,
             "aux_layer_ids": info.get("aux_layer_ids"), "dtype": info.get("dtype"),
             "hidden_size": info.get("hidden_size"), "model_path": info.get("model_path"),
-            "length_histogram": {k: v for k, v in hist.items() if v}, "failed_ids": failed,
+            "length_histogram": {k: v for k, v in hist.items() if v},
+            "failed_ids": sorted(failed - {e["id"] for e in entries}),
+            "in_several_dirs": dirs.duplicates,
             "server": {k: info.get(k) for k in SERVER_PROVENANCE},
-            "capture": capture_provenance(out_dir, info)}
+            "capture": capture_provenance([dirs.path(e) for e in entries], info)}
 
 
 # What export.json says the numbers and tokens depend on (`inspect` shows it).
@@ -409,13 +411,13 @@ SERVER_PROVENANCE = ("architecture", "attention_backend", "quantization", "kv_ca
                      "dp_size", "tokenizer_path", "chat_template_sha256", "sglang_version", "sglang_hs_version")
 
 
-def capture_provenance(out_dir: str, info: dict) -> dict:
+def capture_provenance(paths: Sequence[str], info: dict) -> dict:
     """The samples' capture provenance, grouped: how many samples were made each way, how many
     were truncated or regenerated, and how many were tokenised with a chat template other than
     the one of the tokenizer the server runs (a drafter would then be trained on other text)."""
     groups: collections.Counter = collections.Counter()
     truncated = regenerated = without = other_template = 0
-    for _, path in iter_samples(out_dir):
+    for path in paths:
         prov = CaptureProvenance.of_sample(sample_metadata(path)) if os.path.exists(path) else None
         if prov is None:
             without += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -20,12 +20,11 @@ from sglang_hs.format import (
     Storage,
     decode_sample,
     dequantize_rows,
-    iter_samples,
     load_sample,
     quantize_rows,
-    read_export_json,
     validate_export,
 )
+from sglang_hs.tools.dirs import ExportDirs
 
 # Pass when the export's error vs fp32 is at most this multiple of HF bf16's own error...
 MAX_ERROR_RATIO = 2.0
@@ -59,6 +58,7 @@ class VerifyReport:
     tokens: int
     planes: List[PlaneStats]
     format_errors: List[str]
+    notes: List[str] = dataclasses.field(default_factory=list)  # several directories: what was read how
 
     @property
     def ok(self) -> bool:
@@ -157,12 +157,18 @@ def _plane(name: str, a: list) -> PlaneStats:
                       (sst / ss) ** 0.5, float(torch.cat(cos16).mean()))
 
 
-def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optional[int] = 8,
+def verify_export(out_dir: Union[str, Sequence[str]], model_path: Optional[str] = None, samples: Optional[int] = 8,
                   device: str = "cpu") -> VerifyReport:
-    info = read_export_json(out_dir)
-    fmt = validate_export(out_dir)
-    if info is None:
-        return VerifyReport(0, 0, [], fmt.errors)
+    """Check the format of one export directory or several read as one (tools.dirs), and
+    compare the first `samples` samples listed (None: all) with HF."""
+    try:
+        dirs = ExportDirs.open(out_dir)
+    except ValueError as e:
+        return VerifyReport(0, 0, [], [str(e)])
+    errors = []
+    for d in dirs.dirs:
+        errors += [f"{d}: {e}" if len(dirs.dirs) > 1 else e for e in validate_export(d).errors]
+    info = dirs.info
     model_path = model_path or info["model_path"]
     ids = list(info["aux_layer_ids"])
     storage = Storage.of_export(info)
@@ -171,9 +177,10 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
     bf16_model = load_hf(model_path, torch.bfloat16, device)
     acc: Dict[str, list] = {}
     n = tokens = 0
-    for _, path in iter_samples(out_dir):
+    for entry in dirs.entries:
         if samples is not None and n >= samples:
             break
+        path = dirs.path(entry)
         t = decode_sample(load_sample(path), torch.float32)
         tok = t["token_ids"]
         rows = t["aux_hidden_states"].shape[0]  # decode rows: none for the last generated token
@@ -191,5 +198,5 @@ def verify_export(out_dir: str, model_path: Optional[str] = None, samples: Optio
         n += 1
         tokens += tok.numel()
     planes = [_plane(name, acc[name]) for name in names if name in acc]
-    return VerifyReport(n, tokens, planes, fmt.errors)
+    return VerifyReport(n, tokens, planes, errors, dirs.lines())
 
