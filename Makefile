@@ -19,6 +19,9 @@ CONSTRAINTS := constraints/sglang-$(SGLANG).txt
 # runs over TCP on any machine; it loads three Debian libraries even for TCP, see MOONCAKE_LIBS).
 STREAMING := hs-connectors==0.9.0 mooncake-transfer-engine-non-cuda==0.3.13.post1
 MOONCAKE_LIBS := libibverbs1 libnl-3-200 libnl-route-3-200
+# SGLang's load balancer (Rust, its own wheel; its Python side needs only what SGLang already
+# has), for capture through a router (docs/scale-out.md) and its tests.
+ROUTER := sglang-router==0.3.2
 # A constraints file may say how pip must fetch it ("# pip-args: ..." on its first lines).
 PIP_ARGS = $(shell sed -n 's/^# pip-args: //p' $(CONSTRAINTS))
 # The trainers whose own loaders read our converted output in the tests, at the versions we
@@ -43,7 +46,7 @@ $(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install $(PIP_ARGS) --no-deps -r $(CONSTRAINTS)
-	$(BIN)/pip install -q --no-deps $(STREAMING)
+	$(BIN)/pip install -q --no-deps $(STREAMING) $(ROUTER)
 	$(BIN)/pip install -q --no-deps -e .
 	@ldconfig -p | grep -q libnl-route-3.so.200 && ldconfig -p | grep -q libibverbs.so.1 || \
 		{ [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq $(MOONCAKE_LIBS); } || \

@@ -406,3 +406,22 @@ def test_a_server_still_starting_is_waited_for_and_one_never_reached_is_not(tmp_
     waited, notes = asyncio.run(main())
     assert 3 <= waited < 10
     assert "/health answered HTTP 503" in notes[0] and "is back after" in notes[1], notes
+
+
+def test_a_router_is_up_when_it_lists_every_worker_healthy():
+    """What sglang-router 0.3.2's GET /workers answers (the shape test_router_cpu reads live)."""
+    from sglang_hs.tools.capture import router_unhealthy
+
+    def worker(url, healthy):
+        return {"id": url, "url": url, "is_healthy": healthy, "worker_type": "regular"}
+
+    assert router_unhealthy(200, {"workers": [worker("http://a", True), worker("http://b", True)], "total": 2}) is None
+    why = router_unhealthy(200, {"workers": [worker("http://a", True), worker("http://b", False)]})
+    assert why.startswith("/health answered") and "1 of 2 workers unhealthy: http://b" in why
+    assert "no worker yet" in router_unhealthy(200, {"workers": [], "total": 0})  # just started
+    assert "is this an sglang-router" in router_unhealthy(404, {"detail": "Not Found"})  # a plain server
+
+
+def test_via_router_takes_the_router_alone(tmp_path):
+    with pytest.raises(ValueError, match="router's URL alone"):
+        capture(CaptureConfig(["http://a", "http://b"], "d.jsonl", str(tmp_path), via_router=True))

@@ -1,16 +1,17 @@
-"""serve-cpu's settings for tensor parallelism: the TP size as the launcher reads it, and the
+"""serve-cpu's settings for parallelism: the ranks (TP x DP) as the launcher reads them, and the
 cores each rank's threads are bound to."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_hs.tools.serve import cpu_env, threads_bind, tp_size_of
+from sglang_hs.tools.serve import cpu_env, ranks_of, threads_bind
 
 
-def test_tp_size_as_the_launcher_spells_it():
-    assert tp_size_of(["--model-path", "m"]) == 1
-    assert tp_size_of(["--tp-size", "2"]) == 2
-    assert tp_size_of(["--tensor-parallel-size=4"]) == 4
+def test_ranks_as_the_launcher_spells_them():
+    assert ranks_of(["--model-path", "m"]) == 1
+    assert ranks_of(["--tp-size", "2"]) == 2
+    assert ranks_of(["--tensor-parallel-size=4"]) == 4
+    assert ranks_of(["--tp-size", "2", "--dp-size=2"]) == 4 == ranks_of(["--data-parallel-size", "4"])
 
 
 @given(tp=st.integers(1, 9), cpus=st.sets(st.integers(0, 255), min_size=1, max_size=64))
@@ -22,6 +23,6 @@ def test_every_rank_gets_cores_and_no_core_is_given_twice_when_there_are_enough(
 
 
 def test_the_user_s_own_binding_wins():
-    env = cpu_env({"SGLANG_CPU_OMP_THREADS_BIND": "0-3|4-7"}, tp_size=2)
+    env = cpu_env({"SGLANG_CPU_OMP_THREADS_BIND": "0-3|4-7"}, ranks=2)
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0-3|4-7" and "OMP_NUM_THREADS" in env
-    assert "SGLANG_CPU_OMP_THREADS_BIND" not in cpu_env({}, tp_size=1)
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in cpu_env({}, ranks=1)

@@ -11,6 +11,12 @@ run starts is a wrong URL until the user says it is still starting (`wait_at_sta
 signal ends every wait at once: answered requests are journaled, waiting ones are abandoned
 (unsent, so a rerun sends them). Records are read and tokenised as they are sent, so memory
 does not grow with the dataset.
+
+Through an sglang-router (`via_router`; the router runs `--policy manual --disable-retries`): each
+request carries its sample id as the routing key (ROUTING_KEY), so a resend reaches the worker
+its earlier copy went to while that worker lives; a failure is waited out until the router lists
+every worker healthy again, so a sample whose worker died is resent once it is back, to the
+worker its key is still held by (docs/scale-out.md says what the router does and does not keep).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ SERVERS = "capture_servers.json"
 # 423: the same sample id is still in flight on the server (e.g. sent by a run that was just
 # killed); it is freed once that request finishes or is aborted.
 TRANSIENT = {423, 500, 502, 503, 504}
+# sglang-router's header for the manual policy's key: one key stays on one worker.
+ROUTING_KEY = "X-SMG-Routing-Key"
 # Exit status of a run stopped because a server stayed away (EX_TEMPFAIL: a rerun resumes);
 # a stop signal exits 128 + its number, as a shell reports it (130 Ctrl-C, 143 SIGTERM).
 EXIT_SERVER_GONE = 75
@@ -76,6 +84,8 @@ class CaptureConfig:
     wait_at_start: bool = False
     # Accept a server list that differs from the one this OUT was started with.
     allow_new_servers: bool = False
+    # The one server URL is an sglang-router (--policy manual) in front of the workers.
+    via_router: bool = False
 
 
 @dataclasses.dataclass
@@ -201,6 +211,21 @@ def check_servers(out: str, servers: List[str], allow_new: bool) -> None:
 _GONE = (aiohttp.ClientConnectionError,)
 
 
+def router_unhealthy(status: int, body) -> Optional[str]:
+    """Why a router's GET /workers answer is not every worker healthy; None if it is. (The
+    reasons start "/health answered": the router is there, so it is waited for at start.)"""
+    workers = body.get("workers") if isinstance(body, dict) else None
+    if status != 200 or not isinstance(workers, list):
+        return f"/health answered 200, but /workers answered HTTP {status}: is this an sglang-router?"
+    down = [w.get("url", "?") for w in workers if not w.get("is_healthy")]
+    if not workers:
+        return "/health answered 200, but the router lists no worker yet"
+    if down:
+        return f"/health answered 200, but the router lists {len(down)} of {len(workers)} workers unhealthy: " \
+               + ", ".join(down)
+    return None
+
+
 def _why(e: BaseException) -> str:
     """What the user needs to know of a failed connection: 'Connection refused', not a repr."""
     os_error = getattr(e, "os_error", None)
@@ -230,19 +255,28 @@ class Waits:
 
     POLL_S = 2.0
 
-    def __init__(self, session, wait_s: float, stop: Stop, note):
+    def __init__(self, session, wait_s: float, stop: Stop, note, router: bool = False):
         self.session, self.wait_s, self.stop, self.note = session, wait_s, stop, note
+        # A router answers /health while its workers are down: it is up when it lists every
+        # worker healthy.
+        self.router = router
         self.now: Dict[str, Wait] = {}
         # Why each server was last found absent (for the message when the wait runs out).
         self.last: Dict[str, str] = {}
         self._polls: Dict[str, asyncio.Future] = {}
 
     async def health(self, url: str) -> Optional[str]:
-        """None if the server answers /health with 200, else why not."""
+        """None if the server answers /health with 200 (a router: and lists every worker
+        healthy), else why not."""
         try:
             async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return None if r.status == 200 else f"/health answered HTTP {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                if r.status != 200:
+                    return f"/health answered HTTP {r.status}"
+            if self.router:
+                async with self.session.get(url + "/workers", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    return router_unhealthy(r.status, await r.json(content_type=None))
+            return None
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             return _why(e)
 
     async def until_up(self, url: str, why: str) -> bool:
@@ -286,8 +320,9 @@ async def _post(session, url, path, body, cfg: "CaptureConfig", waits: Waits) ->
     for attempt in range(cfg.retries + 1):
         if attempt and waits.stop:
             raise Abandoned(url)
+        headers = {ROUTING_KEY: body["rid"]} if cfg.via_router and "rid" in body else None
         try:
-            async with session.post(url + path, json=body) as r:
+            async with session.post(url + path, json=body, headers=headers) as r:
                 status, data = r.status, await r.json(content_type=None)
         except _GONE as e:
             status, data = None, {"error": {"message": f"{type(e).__name__}: {e}"}}
@@ -298,7 +333,12 @@ async def _post(session, url, path, body, cfg: "CaptureConfig", waits: Waits) ->
             status, data = None, {"error": {"message": f"{type(e).__name__}: {e}"}}
         if status is not None and status not in TRANSIENT:
             return status, data
-        if attempt < cfg.retries:
+        if cfg.via_router and status != 423 and attempt < cfg.retries:
+            # A worker failed (the router's own retries are spent): resend once the router lists
+            # every worker healthy, not to whichever worker is up meanwhile.
+            why = await waits.health(url)
+            if why is not None and not await waits.until_up(url, why):
+                raise ServerGone(f"{url}: a worker was not back within {cfg.server_wait_s:.0f} s ({why})")
             if await waits.stop.sleep(delay * (1 + random.random())):
                 raise Abandoned(url)
             delay = min(delay * 2, 30)
@@ -483,7 +523,7 @@ async def _capture(cfg: CaptureConfig, tok, stop: Optional[Stop] = None) -> Summ
     progress = None
     try:
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-            waits = Waits(session, cfg.server_wait_s, stop, _note)
+            waits = Waits(session, cfg.server_wait_s, stop, _note, router=cfg.via_router)
             n = count_records(cfg.data, cfg.limit)
             progress = asyncio.ensure_future(_progress(cfg.progress, lambda: _rates(summ, n, t0, waits)))
             for s in _samples(cfg, tok, done, summ, record_failure):
@@ -544,7 +584,7 @@ async def _main(cfg: CaptureConfig) -> Summary:
     try:
         servers = [u.rstrip("/") for u in cfg.servers]
         async with aiohttp.ClientSession() as session:
-            waits = Waits(session, cfg.server_wait_s, stop, _note)
+            waits = Waits(session, cfg.server_wait_s, stop, _note, router=cfg.via_router)
             progress = asyncio.ensure_future(_progress(cfg.progress, waits.line))
             try:
                 await reach_servers(servers, cfg, waits)
@@ -606,6 +646,9 @@ def capture(cfg: CaptureConfig) -> Summary:
         except SampleIdError:
             raise SampleIdError(f"--id-prefix {cfg.id_prefix!r}: sample ids must start with a letter or digit "
                                 "and use only A-Z a-z 0-9 . _ - (e.g. 'run1-')") from None
+    if cfg.via_router and len(cfg.servers) != 1:
+        raise ValueError(f"--via-router takes the router's URL alone; got {len(cfg.servers)} --server URLs "
+                         "(the router knows its workers)")
     summ = asyncio.run(_main(cfg))
     if cfg.progress:
         sys.stderr.write("\n")

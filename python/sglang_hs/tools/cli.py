@@ -70,6 +70,10 @@ def main(argv=None) -> None:
     c.add_argument("--allow-new-servers", action="store_true",
                    help="resume with a --server list other than the first run's (samples in flight when the "
                         "last run stopped may be exported twice)")
+    c.add_argument("--via-router", action="store_true",
+                   help="--server is an sglang-router started with --policy manual --disable-retries: each "
+                        "sample's id is its routing key, and a worker that fails is waited for until the router "
+                        "lists every worker healthy (docs/scale-out.md)")
     c.add_argument("--no-progress", action="store_true")
     i = sub.add_parser("inspect", help="summary of an export directory")
     i.add_argument("dir", nargs="+", metavar="DIR", help=DIRS_HELP)
@@ -133,8 +137,7 @@ def main(argv=None) -> None:
             print("OK" if rep.ok else "FAILED")
         sys.exit(0 if rep.ok else 1)
     if a.cmd == "capture":
-        from sglang_hs.format import SampleIdError
-        from sglang_hs.tools.capture import CaptureConfig, ServersChangedError, ServerUnreachable, capture
+        from sglang_hs.tools.capture import CaptureConfig, ServerUnreachable, capture
 
         cfg = CaptureConfig(servers=a.server, data=a.data, out=a.out, tokenizer=a.tokenizer,
                             trust_remote_code=a.trust_remote_code,
@@ -144,10 +147,11 @@ def main(argv=None) -> None:
                             max_new_tokens=a.max_new_tokens, temperature=a.temperature, retries=a.retries,
                             id_prefix=a.id_prefix, limit=a.limit, progress=not a.no_progress,
                             server_wait_s=600.0 if a.server_wait is None else a.server_wait,
-                            wait_at_start=a.server_wait is not None, allow_new_servers=a.allow_new_servers)
+                            wait_at_start=a.server_wait is not None, allow_new_servers=a.allow_new_servers,
+                            via_router=a.via_router)
         try:
             summ = capture(cfg)
-        except (SampleIdError, ServersChangedError, ServerUnreachable) as e:
+        except (ValueError, ServerUnreachable) as e:  # SampleIdError, ServersChangedError, a bad --via-router
             sys.exit(f"sglang-hs capture: {e}")
         print(f"[capture] {summ.line()}")
         sys.exit(summ.exit_code())

@@ -22,9 +22,9 @@ CPU_DEFAULTS = (("--device", "cpu"), ("--attention-backend", "torch_native"), ("
                 ("--sleep-on-idle", None))
 
 
-def tp_size_of(args: Sequence[str]) -> int:
+def _int_flag(args: Sequence[str], flags: Sequence[str]) -> int:
     for i, a in enumerate(args):
-        for flag in ("--tp-size", "--tensor-parallel-size"):
+        for flag in flags:
             if a == flag and i + 1 < len(args):
                 return int(args[i + 1])
             if a.startswith(flag + "="):
@@ -32,23 +32,29 @@ def tp_size_of(args: Sequence[str]) -> int:
     return 1
 
 
-def threads_bind(tp_size: int, cpus: Sequence[int]) -> str:
-    """SGLANG_CPU_OMP_THREADS_BIND for `tp_size` ranks: the usable cores split into
+def ranks_of(args: Sequence[str]) -> int:
+    """How many scheduler processes the launcher starts: tensor- times data-parallel ranks."""
+    return (_int_flag(args, ("--tp-size", "--tensor-parallel-size"))
+            * _int_flag(args, ("--dp-size", "--data-parallel-size")))
+
+
+def threads_bind(ranks: int, cpus: Sequence[int]) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks: the usable cores split into
     contiguous groups, one per rank ("0|1" on two cores); ranks share cores when there are
     fewer cores than ranks. Upstream otherwise wants one NUMA node per rank."""
     cpus = sorted(cpus)
-    groups = [cpus[r * len(cpus) // tp_size:(r + 1) * len(cpus) // tp_size] or [cpus[r % len(cpus)]]
-              for r in range(tp_size)]
+    groups = [cpus[r * len(cpus) // ranks:(r + 1) * len(cpus) // ranks] or [cpus[r % len(cpus)]]
+              for r in range(ranks)]
     return "|".join(",".join(map(str, g)) for g in groups)
 
 
-def cpu_env(base: Dict[str, str] = None, tp_size: int = 1) -> Dict[str, str]:
+def cpu_env(base: Dict[str, str] = None, ranks: int = 1) -> Dict[str, str]:
     env = dict(os.environ if base is None else base)
-    if tp_size > 1:
+    if ranks > 1:
         cpus = sorted(os.sched_getaffinity(0))
-        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", threads_bind(tp_size, cpus))
+        env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", threads_bind(ranks, cpus))
         # Without AMX upstream binds no threads, so each rank would start one per core.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, len(cpus) // tp_size)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(cpus) // ranks)))
     # Without SGLANG_USE_CPU_ENGINE the layers ignore --device cpu.
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM_DIR, env.get("PYTHONPATH")) if p)
@@ -67,7 +73,7 @@ def cpu_server_argv(args: Sequence[str]) -> List[str]:
 def serve_cpu(args: Sequence[str]) -> None:
     """Replace this process with `python -m sglang.launch_server ARGS` in CPU mode."""
     argv = cpu_server_argv(args)
-    os.execve(argv[0], argv, cpu_env(tp_size=tp_size_of(args)))
+    os.execve(argv[0], argv, cpu_env(ranks=ranks_of(args)))
 
 
 def free_port() -> int:
@@ -88,7 +94,7 @@ class LocalServer:
         self.url = f"http://127.0.0.1:{self.port}"
         args = [*args, "--port", str(self.port), "--host", "127.0.0.1"]
         self.argv: List[str] = cpu_server_argv(args) if cpu else [sys.executable, "-m", "sglang.launch_server", *args]
-        self.env = cpu_env(tp_size=tp_size_of(args)) if cpu else dict(os.environ, PYTHONUNBUFFERED="1")
+        self.env = cpu_env(ranks=ranks_of(args)) if cpu else dict(os.environ, PYTHONUNBUFFERED="1")
         self.log_path = log_path
         self.timeout_s = timeout_s
         self.proc: Optional[subprocess.Popen] = None
