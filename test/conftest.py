@@ -18,14 +18,6 @@ def one_builder():
         yield
 
 
-def pytest_collection_modifyitems(items):
-    """Server modules first, then unit, then GPU (skipped here): `make test` hands whole modules
-    to two workers in this order (--no-loadscope-reorder), so the many short unit modules fill
-    the end of the run instead of one long server module running alone."""
-    rank = {"server": 0, "unit": 1}
-    items.sort(key=lambda item: rank.get(os.path.basename(os.path.dirname(str(item.path))), 2))
-
-
 @pytest.fixture(scope="session")
 def smollm2_path():
     from sglang_hs.tools import models
