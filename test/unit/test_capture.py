@@ -121,6 +121,28 @@ def test_capture_retries_in_flight_ids_and_records_odd_answers_without_stopping(
     assert (tmp_path / "out" / JOURNAL).exists()
 
 
+def test_a_transient_answer_is_resent_after_a_backoff_not_at_once(tmp_path):
+    """A server answering 503 gets each resend after a growing pause (0.5 s, then 1 s, ... each
+    up to twice that), not a burst that spends the retries in milliseconds."""
+    data = tmp_path / "data.jsonl"
+    write_records(data, 1)
+    times = []
+
+    async def generate(request):
+        times.append(time.monotonic())
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+
+    async def main():
+        async with scripted_server(generate) as url:
+            cfg = CaptureConfig(servers=[url], data=str(data), out=str(tmp_path / "out"), progress=False, retries=2)
+            return await _capture(cfg, tok=None)
+
+    s = asyncio.run(main())
+    assert s.failed == 1 and len(times) == 3
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert 0.5 <= gaps[0] < 1.5 and 1.0 <= gaps[1] < 3.0, gaps
+
+
 def test_an_id_prefix_the_server_would_refuse_stops_the_run_before_it_starts(tmp_path):
     cfg = CaptureConfig(servers=["http://127.0.0.1:9"], data=str(tmp_path / "none.jsonl"), out=str(tmp_path),
                         id_prefix="_run")

@@ -339,6 +339,7 @@ async def _post(session, url, path, body, cfg: "CaptureConfig", waits: Waits) ->
             why = await waits.health(url)
             if why is not None and not await waits.until_up(url, why):
                 raise ServerGone(f"{url}: a worker was not back within {cfg.server_wait_s:.0f} s ({why})")
+        if attempt < cfg.retries:
             if await waits.stop.sleep(delay * (1 + random.random())):
                 raise Abandoned(url)
             delay = min(delay * 2, 30)
