@@ -120,7 +120,8 @@ for step in "$@"; do
          pkill -x mooncake_master
          $T python3 benchmark/bench_online.py --gpu --model $M --rounds ${ROUNDS:-5} --prompts 64 --length 1024 \
            --concurrency 32 --segment-gib 4 --out $OUT/gpu_online_h200.json 2>&1 | tee $OUT/bench_online.txt ;;
-    *) $T python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${ROUNDS:-2}" --out "$OUT/bench_gpu.json" \
+    # PHASE_ROUNDS: this step's rounds where they differ from the others' (`long`: each round ~70 s)
+    *) $T python3 benchmark/bench_gpu_export.py --phase "$step" --rounds "${PHASE_ROUNDS:-${ROUNDS:-2}}" --out "$OUT/bench_gpu.json" \
          --work $SGLANG_HS_LOGS 2>&1 | tee -a "$OUT/bench_gpu.txt" ;;
   esac
   # server logs only (checkpoints and exports there are too big to come back; at most 8 files do)
