@@ -13,6 +13,8 @@ the next, as a trainer consuming them would.
 """
 
 import argparse
+import concurrent.futures as cf
+import contextlib
 import json
 import os
 import re
@@ -29,9 +31,11 @@ from harness.bench import measure_decode, provenance, random_prompts, spread  # 
 from sglang_hs.format import iter_samples  # noqa: E402
 from sglang_hs.tools.serve import LocalServer  # noqa: E402
 
+# Decode is measured: prefill CUDA graphs are off in both servers (their capture costs ~90 s of
+# each start; bulk prefill runs as fast without them, ../shared/gpu-bundle/README.md).
 FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton",
          "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.4",
-         "--enable-metrics"]
+         "--enable-metrics", "--cuda-graph-backend-prefill", "disabled"]
 ARMS = [("off", "off", None), ("live_0.1", "live", None), ("live_1.0", "live", True)]
 
 
@@ -41,9 +45,11 @@ def counters(url):
 
 
 def clear(export_dir):
-    """Remove the round's samples (the manifest keeps listing them; nothing reads it here)."""
+    """Remove the samples written so far (the manifest keeps listing the earlier rounds' removed
+    ones; nothing else reads it here)."""
     for _, path in iter_samples(export_dir):
-        os.remove(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def main():
@@ -65,9 +71,12 @@ def main():
     def save():
         json.dump(res, open(a.out, "w"), indent=2)
 
-    with LocalServer(["--model-path", model, *FLAGS], f"{a.work}/live-off.log", cpu=False) as off, \
-            LocalServer(["--model-path", model, *FLAGS, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
-                         "--export-sample-rate", "0.1"], f"{a.work}/live-on.log", cpu=False) as live:
+    off = LocalServer(["--model-path", model, *FLAGS], f"{a.work}/live-off.log", cpu=False)
+    live = LocalServer(["--model-path", model, *FLAGS, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
+                        "--export-sample-rate", "0.1"], f"{a.work}/live-on.log", cpu=False)
+    with contextlib.ExitStack() as stack, cf.ThreadPoolExecutor(2) as ex:
+        for started in [ex.submit(stack.enter_context, s) for s in (off, live)]:  # both start at once
+            started.result()
         servers = {"off": off, "live": live}
         warm = random_prompts(64, a.prompt_len, seed=3, vocab=128000)
         for name, srv in servers.items():
