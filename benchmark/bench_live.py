@@ -13,7 +13,6 @@ the next, as a trainer consuming them would.
 """
 
 import argparse
-import concurrent.futures as cf
 import contextlib
 import json
 import os
@@ -71,12 +70,10 @@ def main():
     def save():
         json.dump(res, open(a.out, "w"), indent=2)
 
-    off = LocalServer(["--model-path", model, *FLAGS], f"{a.work}/live-off.log", cpu=False)
-    live = LocalServer(["--model-path", model, *FLAGS, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
-                        "--export-sample-rate", "0.1"], f"{a.work}/live-on.log", cpu=False)
-    with contextlib.ExitStack() as stack, cf.ThreadPoolExecutor(2) as ex:
-        for started in [ex.submit(stack.enter_context, s) for s in (off, live)]:  # both start at once
-            started.result()
+    # One after the other: SGLang sizes its KV cache from the GPU memory free at its start.
+    with LocalServer(["--model-path", model, *FLAGS], f"{a.work}/live-off.log", cpu=False) as off, \
+            LocalServer(["--model-path", model, *FLAGS, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
+                         "--export-sample-rate", "0.1"], f"{a.work}/live-on.log", cpu=False) as live:
         servers = {"off": off, "live": live}
         warm = random_prompts(64, a.prompt_len, seed=3, vocab=128000)
         for name, srv in servers.items():
