@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the dev harness
 
 from harness.bench import provenance, spread  # noqa: E402
-from harness.router import LocalRouter  # noqa: E402
+from harness.router import ROUTER_FOR_CAPTURE, LocalRouter  # noqa: E402
 from sglang_hs.format import read_manifest  # noqa: E402
 from sglang_hs.tools import models  # noqa: E402
 from sglang_hs.tools.capture import CaptureConfig, capture  # noqa: E402
@@ -49,8 +49,7 @@ def main():
     try:
         for s in servers:
             s.__enter__()
-        with LocalRouter([s.url for s in servers], os.path.join(work, "router.log"), "--policy", "manual",
-                         "--disable-retries") as router:
+        with LocalRouter([s.url for s in servers], os.path.join(work, "router.log"), *ROUTER_FOR_CAPTURE) as router:
             def run(way, prefix):
                 urls = [router.url] if way == "router" else [s.url for s in servers]
                 cfg = CaptureConfig(servers=urls, data=data, out=os.path.join(work, f"journal-{prefix}"),
@@ -76,7 +75,7 @@ def main():
     ratio = [r["samples_per_s"] / d["samples_per_s"] for r, d in zip(rows["router"], rows["direct"])]
     share = {w: [max(r["per_server"]) / sum(r["per_server"]) for r in rows[w]] for w in ways}
     result = {
-        "what": "sglang-hs capture through sglang-router 0.3.2 (--policy manual --disable-retries, --via-router) "
+        "what": f"sglang-hs capture through sglang-router 0.3.2 ({' '.join(ROUTER_FOR_CAPTURE)}, --via-router) "
                 "vs straight to the same two exporting servers (the client hashing ids over them), samples exported "
                 "per second, same records each round under new ids, each way first in turn; per_server: samples each "
                 "server wrote",

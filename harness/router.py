@@ -15,6 +15,13 @@ import requests
 from sglang_hs.tools.serve import free_port
 
 
+# The router as docs/scale-out.md sets it up for capture: the manual policy (a key stays on its
+# worker) and nothing that takes a worker out, which is what would move a key: no retries (they
+# resend a dead worker's requests to a live one), no circuit breaker, no health checks. A dead
+# worker's requests then fail, and the capture resends them once it answers again.
+ROUTER_FOR_CAPTURE = ("--policy", "manual", "--disable-retries", "--disable-circuit-breaker", "--disable-health-check")
+
+
 class LocalRouter:
     """`with LocalRouter(worker_urls, log, "--policy", "manual") as r:` r.url takes requests
     the way the workers do; extra args go to `python -m sglang_router.launch_router`."""

@@ -1,7 +1,7 @@
 """Capture through SGLang's own load balancer: two CPU servers, each with its own export
 directory (two "nodes"; the first runs two data-parallel replicas), behind a real sglang-router
-(--policy manual), the second killed and restarted mid-run; the two directories read back as
-one dataset."""
+(--policy manual, nothing that takes a worker out), the second killed and restarted mid-run:
+every sample exported exactly once; the two directories read back as one dataset."""
 
 import json
 import os
@@ -16,21 +16,15 @@ import pytest
 import requests
 import torch
 
-from harness.router import LocalRouter
+from harness.router import ROUTER_FOR_CAPTURE, LocalRouter
 from sglang_hs.format import load_sample, read_manifest, validate_export
-from sglang_hs.tools.capture import JOURNAL
+from sglang_hs.tools.capture import JOURNAL, ROUTING_KEY
 from sglang_hs.tools.dirs import ExportDirs
 from sglang_hs.tools.records import iter_records, sample_id, to_sample
 from sglang_hs.tools.serve import LocalServer
 
 pytestmark = pytest.mark.server
 DATA = str(resources.files("sglang_hs").joinpath("data/chats_200.jsonl"))
-# As docs/scale-out.md sets a router up for capture: the manual policy (a key stays on its
-# worker), no router retries (they resend a dead worker's requests to a live one, where a
-# sample the dead worker already made durable would be exported again: the capture resends it
-# itself once the worker is back), and health checks that notice a dead worker in seconds.
-ROUTER_ARGS = ["--policy", "manual", "--disable-retries", "--health-check-interval-secs", "1",
-               "--health-failure-threshold", "1", "--health-success-threshold", "1"]
 
 
 def server_args(model, out, *extra):
@@ -66,7 +60,7 @@ def nodes(tiny_path, tmp_path_factory):
     servers = start_all([LocalServer(server_args(tiny_path, str(root / f"node{k}"), *dp[k]),
                                      str(root / f"server{k}.log")) for k in range(2)])
     try:
-        with LocalRouter([s.url for s in servers], str(root / "router.log"), *ROUTER_ARGS) as router:
+        with LocalRouter([s.url for s in servers], str(root / "router.log"), *ROUTER_FOR_CAPTURE) as router:
             yield router, servers, root
     finally:
         for s in servers:
@@ -93,7 +87,7 @@ def test_a_capture_through_the_router_survives_a_worker_restart_and_reads_every_
         os.killpg(victim.proc.pid, signal.SIGKILL)  # mid-run, requests in flight on it
         victim.proc.wait()
         killed_at = journal_lines(journal)
-        time.sleep(3)  # the router sees it gone; the capture waits for it
+        time.sleep(3)  # down a while: its samples fail and wait for it
         servers[1] = LocalServer(server_args(tiny_path, victim.export_dir), victim.log_path + ".restart",
                                  port=victim.port).__enter__()
         said, _ = cap.communicate(timeout=600)
@@ -101,7 +95,7 @@ def test_a_capture_through_the_router_survives_a_worker_restart_and_reads_every_
         cap.kill()
     assert cap.returncode == 0 and "0 failed of 200" in said, said[-3000:]
     assert killed_at < 200, "the capture ended before the kill: nothing was tested"
-    assert "workers unhealthy" in said, said[-3000:]  # it waited for the router to see the worker back
+    assert "does not answer /health" in said, said[-3000:]  # it waited for the worker to be back
 
     from transformers import AutoTokenizer
 
@@ -114,10 +108,7 @@ def test_a_capture_through_the_router_survives_a_worker_restart_and_reads_every_
     one = ExportDirs.open(dirs)
     ids = [e["id"] for e in one.entries]
     assert sorted(ids) == sorted(expected)  # every sample, read once
-    # A sample the killed worker had made durable but not answered can still reach the other
-    # worker: the router may move its key before it marks the worker unhealthy (once in four
-    # runs here). At most the samples then in flight; each is read once and reported.
-    assert len(one.duplicates) <= 8 and all(len(d) == 2 for d in one.duplicates.values()), one.lines()
+    assert not one.duplicates, one.lines()  # and exported once: no key left its worker
     per_dir = {d: sum(e["dir"] == d for e in one.entries) for d in dirs}
     assert all(n > 0 for n in per_dir.values()), per_dir
     shards = {e["path"].split("-")[0] for e in one.entries if e["dir"] == dirs[0]}
@@ -148,3 +139,42 @@ def test_a_capture_through_the_router_survives_a_worker_restart_and_reads_every_
             x, y = a[k].float(), b[k].float()
             assert (x - y).norm() <= 2e-2 * y.norm(), (i, k)  # bf16 noise: other batches, other kernels' order
     assert requests.get(router.url + "/health", timeout=10).status_code == 200
+
+
+def test_the_router_set_up_for_capture_keeps_a_dead_workers_keys_on_it(nodes, tiny_path):
+    """What exactly-once rests on, asked of the router itself: a key whose worker is dead is
+    answered with an error (never served by another worker) for as long as it is down, and goes
+    back to that worker when it restarts. With the router's health checks or circuit breaker on,
+    the resends after the kill would be answered 200 by the live worker: a second copy."""
+    router, servers, root = nodes
+
+    def send(rid):
+        r = requests.post(router.url + "/generate", headers={ROUTING_KEY: rid}, timeout=60, json={
+            "rid": rid, "input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1}})
+        return r.status_code
+
+    t0 = time.time()  # the router registers its workers a moment after it answers /health
+    while time.time() - t0 < 120:
+        listed = requests.get(router.url + "/workers", timeout=10).json()["workers"]
+        if len(listed) == 2 and all(w["is_healthy"] for w in listed):
+            break
+        time.sleep(0.5)
+    keys = [f"pin-{i}" for i in range(12)]
+    assert [send(k) for k in keys] == [200] * 12
+    on_victim = {e["id"] for e in read_manifest(servers[1].export_dir)} & set(keys)
+    assert 0 < len(on_victim) < 12, on_victim  # random placement put keys on both workers
+    victim = servers[1]
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait()
+    for _ in range(2):  # at once, and after the 1-s health checks a router might still be doing
+        answers = {k: send(k) for k in keys}
+        assert all(answers[k] >= 500 for k in on_victim), answers
+        assert all(answers[k] == 409 for k in set(keys) - on_victim), answers
+        time.sleep(3)
+    listed = requests.get(router.url + "/workers", timeout=10).json()["workers"]
+    assert all(w["is_healthy"] for w in listed)  # hence capture asks each worker's own /health
+    servers[1] = LocalServer(server_args(tiny_path, victim.export_dir), victim.log_path + ".restart2",
+                             port=victim.port).__enter__()
+    assert {k: send(k) for k in keys} == {k: 409 for k in keys}  # each back on its first worker
+    ids = [e["id"] for s in servers for e in read_manifest(s.export_dir)]
+    assert sorted(i for i in ids if i.startswith("pin-")) == sorted(keys)  # one copy each

@@ -444,6 +444,46 @@ def test_a_router_is_up_when_it_lists_every_worker_healthy():
     assert "is this an sglang-router" in router_unhealthy(404, {"detail": "Not Found"})  # a plain server
 
 
+def test_through_a_router_every_worker_is_asked_directly_since_the_router_never_marks_one_down():
+    """A router set up for capture (no health checks) lists a dead worker as healthy: capture
+    is up only once each listed worker answers its own /health."""
+    state = {"worker": 503}
+
+    async def main():
+        async def workers(request):
+            return web.json_response({"workers": [{"url": worker_url, "is_healthy": True},
+                                                  {"url": dead, "is_healthy": True}], "total": 2})
+
+        async def worker_health(request):
+            return web.Response(status=state["worker"])
+
+        runners = []
+        for routes in ([("/health", healthy), ("/workers", workers)], [("/health", worker_health)]):
+            app = web.Application()
+            for path, handler in routes:
+                app.router.add_get(path, handler)
+            runners.append(web.AppRunner(app))
+            await runners[-1].setup()
+            await web.TCPSite(runners[-1], "127.0.0.1", 0).start()
+        router_url, worker_url = (f"http://127.0.0.1:{r.addresses[0][1]}" for r in runners)
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with aiohttp.ClientSession() as session:
+            waits = Waits(session, 30, Stop(), print, router=True)
+            both = await waits.health(router_url)
+            state["worker"] = 200
+            one = await waits.health(router_url)
+            dead = worker_url  # the dead worker restarted (the router lists it by the same URL)
+            none = await waits.health(router_url)
+        for r in runners:
+            await r.cleanup()
+        return both, one, none, worker_url
+
+    both, one, none, worker_url = asyncio.run(main())
+    assert "does not answer /health" in both and f"{worker_url} (HTTP 503)" in both and "Connection refused" in both
+    assert worker_url not in one and "Connection refused" in one
+    assert none is None
+
+
 def test_via_router_takes_the_router_alone(tmp_path):
     with pytest.raises(ValueError, match="router's URL alone"):
         capture(CaptureConfig(["http://a", "http://b"], "d.jsonl", str(tmp_path), via_router=True))

@@ -12,11 +12,12 @@ signal ends every wait at once: answered requests are journaled, waiting ones ar
 (unsent, so a rerun sends them). Records are read and tokenised as they are sent, so memory
 does not grow with the dataset.
 
-Through an sglang-router (`via_router`; the router runs `--policy manual --disable-retries`): each
-request carries its sample id as the routing key (ROUTING_KEY), so a resend reaches the worker
-its earlier copy went to while that worker lives; a failure is waited out until the router lists
-every worker healthy again, so a sample whose worker died is resent once it is back, to the
-worker its key is still held by (docs/scale-out.md says what the router does and does not keep).
+Through an sglang-router (`via_router`; the router runs `--policy manual --disable-retries
+--disable-circuit-breaker --disable-health-check`, so it never takes a worker out and a key never
+leaves its worker): each request carries its sample id as the routing key (ROUTING_KEY); a
+failure is waited out until the router lists its workers and each answers its own /health, so a
+sample whose worker died is resent once it is back, to that worker (docs/scale-out.md says what
+the router does and does not keep).
 """
 
 from __future__ import annotations
@@ -274,10 +275,30 @@ class Waits:
                     return f"/health answered HTTP {r.status}"
             if self.router:
                 async with self.session.get(url + "/workers", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                    return router_unhealthy(r.status, await r.json(content_type=None))
+                    body = await r.json(content_type=None)
+                why = router_unhealthy(r.status, body)
+                if why is None:
+                    why = await self.workers_health([w["url"] for w in body["workers"]])
+                return why
             return None
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
             return _why(e)
+
+    async def workers_health(self, urls: List[str]) -> Optional[str]:
+        """None if every worker answers its own /health with 200. Asked directly: a router set up
+        for capture never marks a worker unhealthy (that is what would move its keys), so its
+        list says nothing of a dead one. SGLang's /health runs a generation: a busy worker may
+        take seconds."""
+        async def one(u: str) -> Optional[str]:
+            try:
+                async with self.session.get(u + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                    return None if r.status == 200 else f"HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return _why(e)
+
+        whys = await asyncio.gather(*(one(u) for u in urls))
+        down = [f"{u} ({why})" for u, why in zip(urls, whys) if why is not None]
+        return f"the router's worker {', '.join(down)} does not answer /health" if down else None
 
     async def until_up(self, url: str, why: str) -> bool:
         """True once `url` answers /health again, False if not within wait_s; Abandoned if the
@@ -334,8 +355,9 @@ async def _post(session, url, path, body, cfg: "CaptureConfig", waits: Waits) ->
         if status is not None and status not in TRANSIENT:
             return status, data
         if cfg.via_router and status != 423 and attempt < cfg.retries:
-            # A worker failed (the router's own retries are spent): resend once the router lists
-            # every worker healthy, not to whichever worker is up meanwhile.
+            # A worker failed (the router does not retry): resend once every worker answers
+            # again; the router keeps the key on the failed one, so the resend meets its earlier
+            # copy there (409 durable, 423 in flight).
             why = await waits.health(url)
             if why is not None and not await waits.until_up(url, why):
                 raise ServerGone(f"{url}: a worker was not back within {cfg.server_wait_s:.0f} s ({why})")

@@ -71,9 +71,10 @@ def main(argv=None) -> None:
                    help="resume with a --server list other than the first run's (samples in flight when the "
                         "last run stopped may be exported twice)")
     c.add_argument("--via-router", action="store_true",
-                   help="--server is an sglang-router started with --policy manual --disable-retries: each "
-                        "sample's id is its routing key, and a worker that fails is waited for until the router "
-                        "lists every worker healthy (docs/scale-out.md)")
+                   help="--server is an sglang-router started with --policy manual --disable-retries "
+                        "--disable-circuit-breaker --disable-health-check: each sample's id is its routing key, and "
+                        "after a failure every worker the router lists is waited for until it answers /health "
+                        "(docs/scale-out.md)")
     c.add_argument("--no-progress", action="store_true")
     i = sub.add_parser("inspect", help="summary of an export directory")
     i.add_argument("dir", nargs="+", metavar="DIR", help=DIRS_HELP)
