@@ -430,6 +430,32 @@ def test_a_server_still_starting_is_waited_for_and_one_never_reached_is_not(tmp_
     assert "/health answered HTTP 503" in notes[0] and "is back after" in notes[1], notes
 
 
+def test_a_busy_server_whose_health_answers_slowly_is_not_a_wrong_url(tmp_path):
+    """SGLang's /health is a one-token generation queued behind the server's work: on CI, after
+    a killed capture's requests, it took over 5 s and the rerun said "cannot reach ... (timed
+    out)" of a server that was serving."""
+    async def health(request):
+        await asyncio.sleep(8)
+        return web.Response(status=200)
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        cfg = CaptureConfig(servers=[url], data="-", out=str(tmp_path), server_wait_s=60)
+        async with aiohttp.ClientSession() as session:
+            t0 = time.monotonic()
+            await reach_servers([url], cfg, Waits(session, cfg.server_wait_s, Stop(), print))
+            took = time.monotonic() - t0
+        await runner.cleanup()
+        return took
+
+    assert 8 <= asyncio.run(main()) < 20
+
+
 def test_a_router_is_up_when_it_lists_every_worker_healthy():
     """What sglang-router 0.3.2's GET /workers answers (the shape test_router_cpu reads live)."""
     from sglang_hs.tools.capture import router_unhealthy

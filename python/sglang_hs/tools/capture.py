@@ -227,11 +227,24 @@ def router_unhealthy(status: int, body) -> Optional[str]:
     return None
 
 
+# SGLang's /health runs a one-token generation behind whatever the server is doing: a busy
+# server (a killed client's requests still running, 2 CPU cores) takes seconds to answer it. A
+# connection is quick or absent; the answer gets as long as a generation may take.
+HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
+
+
+def answered(why: str) -> bool:
+    """A server that accepted the connection (answered /health, or is too busy to yet) is there."""
+    return why.startswith("/health")
+
+
 def _why(e: BaseException) -> str:
     """What the user needs to know of a failed connection: 'Connection refused', not a repr."""
     os_error = getattr(e, "os_error", None)
     if isinstance(os_error, OSError) and os_error.errno:  # its strerror is asyncio's "Connect call failed"
         return os.strerror(os_error.errno)
+    if isinstance(e, aiohttp.SocketTimeoutError):  # connected: the server is there, and busy
+        return f"/health did not answer within {HEALTH_TIMEOUT.sock_read:.0f} s"
     if isinstance(e, asyncio.TimeoutError):
         return "timed out"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -270,11 +283,11 @@ class Waits:
         """None if the server answers /health with 200 (a router: and lists every worker
         healthy), else why not."""
         try:
-            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self.session.get(url + "/health", timeout=HEALTH_TIMEOUT) as r:
                 if r.status != 200:
                     return f"/health answered HTTP {r.status}"
             if self.router:
-                async with self.session.get(url + "/workers", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                async with self.session.get(url + "/workers", timeout=HEALTH_TIMEOUT) as r:
                     body = await r.json(content_type=None)
                 why = router_unhealthy(r.status, body)
                 if why is None:
@@ -287,11 +300,10 @@ class Waits:
     async def workers_health(self, urls: List[str]) -> Optional[str]:
         """None if every worker answers its own /health with 200. Asked directly: a router set up
         for capture never marks a worker unhealthy (that is what would move its keys), so its
-        list says nothing of a dead one. SGLang's /health runs a generation: a busy worker may
-        take seconds."""
+        list says nothing of a dead one."""
         async def one(u: str) -> Optional[str]:
             try:
-                async with self.session.get(u + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                async with self.session.get(u + "/health", timeout=HEALTH_TIMEOUT) as r:
                     return None if r.status == 200 else f"HTTP {r.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 return _why(e)
@@ -573,11 +585,12 @@ async def _capture(cfg: CaptureConfig, tok, stop: Optional[Stop] = None) -> Summ
 async def reach_servers(servers: List[str], cfg: CaptureConfig, waits: Waits) -> None:
     """Every server answers /health before anything is sent. One that cannot be reached is a
     wrong URL (ServerUnreachable at once) unless cfg.wait_at_start; one that answers, but not
-    200, is starting and is waited for. Abandoned if the run is stopped meanwhile."""
+    200, is starting, and one that accepts the connection but does not answer yet is busy: both
+    are waited for. Abandoned if the run is stopped meanwhile."""
     whys = await asyncio.gather(*(waits.health(u) for u in servers))
     absent = {u: why for u, why in zip(servers, whys) if why is not None}
     for url, why in absent.items():
-        if not (cfg.wait_at_start or why.startswith("/health answered")):
+        if not (cfg.wait_at_start or answered(why)):
             raise ServerUnreachable(
                 f"cannot reach {url} ({why}). Is the server running, and is this its address? To wait for a "
                 "server that is still starting, give --server-wait SECONDS.")
