@@ -6,6 +6,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = os.path.join(REPO, ".cache", "models")
+# Every checkpoint here is local and no model hub is reachable (CI, the dev machine): without
+# this, each server start spends ~2 s in hub lookups that fail (35 vs 37 s, measured).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 until curl -sf localhost:$PORT/health > /dev/null; do
     kill -0 $SERVER 2>/dev/null || { echo "server exited; see $LOG" >&2; tail -n 30 $LOG >&2; exit 1; }
-    sleep 10
+    sleep 5
 done
 
 # Kimi's tokenizer and chat template come from the checkpoint (remote code); masks cover the

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
+import psutil
 import requests
 
 # The sgl_kernel import shim runs inside SGLang's processes, so it lives on the overlay side.
@@ -82,6 +83,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _alive(p: psutil.Process) -> bool:
+    """Running, and not a zombie its parent (the launcher, busy elsewhere) has yet to reap."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 class LocalServer:
     """`with LocalServer(args, log_path) as srv: requests.post(srv.url + "/generate", ...)`.
 
@@ -120,13 +129,36 @@ class LocalServer:
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            workers = self._workers()
             os.killpg(self.proc.pid, signal.SIGTERM)
+            # The schedulers drain (write what they queued) and exit; the launcher, seeing a
+            # child gone, then sleeps 5 s "for crash diagnostics" before it exits. With its
+            # workers gone it has nothing left to stop: a second is enough.
+            deadline = time.time() + 30
+            while any(_alive(w) for w in workers) and time.time() < deadline:
+                time.sleep(0.1)
             try:
-                self.proc.wait(30)
+                self.proc.wait(0.5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+    def _workers(self) -> List[psutil.Process]:
+        """The launcher's child processes, less multiprocessing's resource tracker (which
+        lives as long as the launcher)."""
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        workers = []
+        for c in children:
+            try:
+                if not any("resource_tracker" in a for a in c.cmdline()):
+                    workers.append(c)
+            except psutil.Error:
+                pass
+        return workers
 
     @property
     def export_dir(self) -> Optional[str]:
