@@ -30,7 +30,11 @@ def test_retracted_requests_are_exported_once_and_exact(tight_server):
     srv = tight_server
     rng = random.Random(3)
     prompts, retracted, decoding = {}, [], set()
-    for rnd in range(3):  # retraction depends on scheduling; a round rarely goes without one
+    # Retraction depends on scheduling; on the oldest release a round rarely goes without one.
+    # Later releases admit too few requests to retract under this load (see the skip below):
+    # one round shows it, two more only cost the suite its last minutes.
+    rounds = 3 if installed() == SGLANG_WINDOW[0] else 1
+    for rnd in range(rounds):
         batch = {f"rt{rnd}-{i}": [rng.randrange(3, 49152) for _ in range(150 + 10 * i)] for i in range(8)}
         decoding = decoding | {f"rt{rnd}-{i}" for i in range(0, 8, 2)}
         prompts.update(batch)
