@@ -65,14 +65,14 @@ demo: $(STAMP)
 	$(BIN)/sglang-hs demo
 
 # Two test modules at a time (pytest-xdist), each module in one worker (its servers are module
-# fixtures): a server test spends most of its minute starting SGLang, one process importing at
-# a time, so two overlap well even on 2 cores (25:48 vs about 34 minutes one by one).
-# Modules in collection order (--no-loadscope-reorder), so the many short unit modules
-# (test/unit sorts last) come last and even out the two workers' ends; xdist's default, modules
-# with more tests first, left the one-test server modules (the slowest) for last, one worker
-# idle minutes before the other was done. PYTEST_WORKERS=0 runs them one by one.
+# fixtures), modules with more tests first (xdist's default): a server test spends most of its
+# minute starting SGLang, one process importing at a time, so two overlap well even on 2 cores
+# (25:48 vs about 34 minutes one by one; server modules first instead took longer, each
+# pairing two servers on 2 cores; again 2026-12-07: stopped at 28 minutes with the router and
+# TP modules and most unit modules still to run, past the default's 33:39 on that machine).
+# PYTEST_WORKERS=0 runs them one by one.
 PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -v -rs
+PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile -v -rs
 
 test: $(STAMP) $(TRAINERS_STAMP)
 	$(PYTEST) --durations=25
