@@ -133,7 +133,7 @@ class LocalServer:
             os.killpg(self.proc.pid, signal.SIGTERM)
             # The schedulers drain (write what they queued) and exit; the launcher, seeing a
             # child gone, then sleeps 5 s "for crash diagnostics" before it exits. With its
-            # workers gone it has nothing left to stop: a second is enough.
+            # workers gone it has nothing left to stop: half a second is enough.
             deadline = time.time() + 30
             while any(_alive(w) for w in workers) and time.time() < deadline:
                 time.sleep(0.1)
