@@ -31,16 +31,26 @@ from sglang_hs.format import iter_samples  # noqa: E402
 from sglang_hs.tools.serve import LocalServer  # noqa: E402
 
 # Decode is measured: prefill CUDA graphs are off in both servers (their capture costs ~90 s of
-# each start; bulk prefill runs as fast without them, ../shared/gpu-bundle/README.md).
+# each start; bulk prefill runs as fast without them, ../shared/gpu-bundle/README.md). Both
+# servers get the same KV cache: SGLang sizes it from the memory free at its own start, so the
+# second server, started beside the first, got 26,822 tokens against 134,215 on the H100
+# (2026-12-07), too few for 64 clients: it queued requests and the arms did not compare.
+KV_TOKENS = 65536  # 64 clients x (512 + 256) tokens fit
 FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton",
-         "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.4",
-         "--enable-metrics", "--cuda-graph-backend-prefill", "disabled"]
+         "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.6",
+         "--max-total-tokens", str(KV_TOKENS), "--enable-metrics", "--cuda-graph-backend-prefill", "disabled"]
 ARMS = [("off", "off", None), ("live_0.1", "live", None), ("live_1.0", "live", True)]
 
 
 def counters(url):
     text = requests.get(url + "/metrics", timeout=30).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^sglang_hs:(\w+)_total\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def kv_tokens(log_path):
+    """The KV cache size SGLang allocated, from its start-up log line."""
+    m = re.search(r"KV Cache is allocated\..*#tokens: (\d+)", open(log_path, errors="replace").read())
+    return int(m.group(1)) if m else None
 
 
 def clear(export_dir):
@@ -75,6 +85,11 @@ def main():
             LocalServer(["--model-path", model, *FLAGS, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
                          "--export-sample-rate", "0.1"], f"{a.work}/live-on.log", cpu=False) as live:
         servers = {"off": off, "live": live}
+        res["kv_tokens"] = {k: kv_tokens(s.log_path) for k, s in servers.items()}
+        if len(set(res["kv_tokens"].values())) != 1:
+            save()
+            sys.exit(f"the servers' KV caches differ ({res['kv_tokens']}): the arms would not compare; "
+                     "lower --mem-fraction-static's share or KV_TOKENS")
         warm = random_prompts(64, a.prompt_len, seed=3, vocab=128000)
         for name, srv in servers.items():
             # The live server's warm-up exports too, so the export path's first use stays out of

@@ -39,6 +39,7 @@ def main():
     p.add_argument("--model", help="default: SmolLM2-135M-Instruct from the embedded GGUF")
     p.add_argument("--gpu", action="store_true", help="the stock launcher on the GPU (triton attention) instead of CPU")
     p.add_argument("--out", default="benchmark/results/cpu_regenerate_smollm2.json")
+    p.add_argument("--log", help="the server's log (default: in the run's temporary folder, removed after)")
     a = p.parse_args()
     model = a.model or models.smollm2(os.path.join(a.work_dir, "models", "smollm2-135m-instruct"))
     work = tempfile.mkdtemp(prefix="sglang-hs-regenerate-")
@@ -52,7 +53,7 @@ def main():
     ways = {"one_pass": 1, "two_passes": 2}
     rows = {w: [] for w in ways}
     try:
-        with LocalServer(args, os.path.join(work, "server.log"), cpu=not a.gpu) as srv:
+        with LocalServer(args, a.log or os.path.join(work, "server.log"), cpu=not a.gpu) as srv:
             def run(way, prefix):
                 cfg = CaptureConfig(servers=[srv.url], data=data, out=srv.export_dir, regenerate=True,
                                     regenerate_passes=ways[way], max_new_tokens=a.max_new_tokens,

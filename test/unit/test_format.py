@@ -324,3 +324,40 @@ def test_validator_checks_decode_rows_against_prompt_tokens(tmp_path):
     # Without prompt_tokens a sample has a row for every token.
     d = storage_export(tmp_path / "b", Storage(), {"s0": {"token_ids": torch.arange(6)}})
     assert "aux_hidden_states (5, 3, 8) != (6, 3, 8)" in "\n".join(validate_export(d).errors)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=hs.lists(hs.integers(0, 40), min_size=1, max_size=30), max_rows=hs.integers(1, 64))
+def test_coalesce_keeps_every_row_in_order_and_joins_only_small_pieces(rows, max_rows):
+    from sglang_hs.format import coalesce
+
+    whole = torch.randn(sum(rows), K, H).bfloat16()
+    parts, at = [], 0
+    for r in rows:
+        parts.append(whole[at:at + r])
+        at += r
+    row_bytes = K * H * 2
+    out = coalesce(parts, max_rows * row_bytes)
+    assert torch.equal(torch.cat(out), whole)
+    for t in out:  # a joined tensor never exceeds the bound; a bigger one is a piece left alone
+        assert t.shape[0] <= max_rows or any(t.data_ptr() == p.data_ptr() and t.shape == p.shape for p in parts)
+    assert len(out) <= len(parts)
+
+
+def test_a_sample_of_many_one_row_pieces_is_written_in_a_few_writes(tmp_path, monkeypatch):
+    """A sample with decode rows arrives as one piece per generated token. Each write (and each
+    torch call) gives up the GIL, which a busy scheduler thread holds up to 5 ms at a time: 257
+    pieces written one by one took 2-4 s instead of 10 ms (benchmark/results/cpu_gil_writer.json)."""
+    from unittest import mock
+
+    aux = [torch.randn(300, K, H).bfloat16()] + [torch.randn(1, K, H).bfloat16() for _ in range(256)]
+    fin = [torch.randn(300, H).bfloat16()] + [torch.randn(1, H).bfloat16() for _ in range(256)]
+    path = str(tmp_path / "s.safetensors")
+    with mock.patch("sglang_hs.format.os.write", wraps=os.write) as writes:
+        write_sample_file(path, {"token_ids": torch.arange(557), "aux_hidden_states": aux, "final_hidden_states": fin},
+                          {"id": "s"})
+    assert writes.call_count <= 8, writes.call_count
+    from sglang_hs.format import load_sample
+
+    t = load_sample(path)
+    assert torch.equal(t["aux_hidden_states"], torch.cat(aux)) and torch.equal(t["final_hidden_states"], torch.cat(fin))

@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from sglang_hs.overlay.rows import RequestState, build_sample, gather_rows, plan_decode, plan_forward, split_rows
+from sglang_hs.format import Storage
 from sglang_hs.overlay.staging import GraphRows, Piece
 from sglang_hs.protocol import RequestOptions, RequestOptionsError
 
@@ -239,3 +240,34 @@ def test_graph_rows_hold_each_replay_s_rows_for_the_planned_gather():
         g.record(torch.randn(9, H), torch.randn(9, K * H))
     with pytest.raises(RuntimeError, match="aux layers"):
         g.record(torch.randn(2, H), [torch.randn(2, H)])
+
+
+def test_a_request_keeps_only_its_newest_copy_event():
+    """Decode rows come one forward at a time; all device->host copies go through one stream,
+    so the newest event covers the others. Kept one per forward, the writer waited on 257
+    events per sample, each giving up the GIL to a busy scheduler thread."""
+    a = state("a", 3, decode_rows=True)
+    events = [object() for _ in range(5)]
+    plan = plan_forward([a], [0], [3])
+    split_rows([Piece(torch.zeros(3, K, H), torch.zeros(3, H))], plan[1], events[0])
+    for n, ev in zip(range(4, 8), events[1:]):
+        _, segs, _ = plan_decode([a], [n])
+        split_rows([Piece(torch.zeros(1, K, H), torch.zeros(1, H))], segs, ev)
+    assert a.ready == [events[-1]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=hs.lists(hs.integers(1, 6), min_size=1, max_size=12), data=hs.data())
+def test_final_rows_at_loss_positions_are_the_masked_rows_whatever_the_pieces(rows, data):
+    n = sum(rows)
+    mask = data.draw(hs.lists(hs.integers(0, 1), min_size=n, max_size=n))
+    a = RequestState(rid="a", prompt_ids=list(range(n)), options=RequestOptions(loss_mask=mask))
+    whole = torch.randn(n, K + 1, H)
+    at = 0
+    for r in rows:
+        a.add_rows(at, [Piece(whole[at:at + r, :K].contiguous(), whole[at:at + r, K].contiguous())])
+        at += r
+    t = build_sample(a, Storage(None, "loss"))
+    pos = [i for i, m in enumerate(mask) if m]
+    assert t["final_positions"].tolist() == pos
+    assert torch.equal(torch.cat(t["final_hidden_states"]), whole[pos, K])

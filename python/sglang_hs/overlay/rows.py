@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from sglang_hs.format import Storage, quantize_rows
+from sglang_hs.format import Storage, coalesce, quantize_rows
 from sglang_hs.overlay.staging import Piece
 from sglang_hs.protocol import Outcome, RequestOptions, RequestOptionsError
 
@@ -42,7 +42,8 @@ class RequestState:
     error: Optional[str] = None
     pieces: List[Piece] = dataclasses.field(default_factory=list)  # writer only, in prompt order
     rows_held: int = 0
-    # Device->host copies still in flight for these rows (CUDA events); the writer waits on them.
+    # The newest device->host copy of these rows (a CUDA event; all copies go through one
+    # stream, so it lands after the earlier ones); the writer waits on it.
     ready: List[Any] = dataclasses.field(default_factory=list)
     aborted: Callable[[], bool] = lambda: False
 
@@ -278,11 +279,20 @@ def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any 
                 p.release()
             continue
         st.add_rows(seg.start, pieces)
-        if ready is not None:
-            st.ready.append(ready)
+        if ready is not None:  # one copy stream: its newest event covers the earlier copies
+            st.ready[:] = [ready]
         if st.complete:
             complete.append(st)
     return complete
+
+
+def _select_rows(parts: Sequence[torch.Tensor], pos: torch.Tensor) -> List[torch.Tensor]:
+    """Rows `pos` (sorted) of the parts taken as one tensor, a piece per (coalesced) part."""
+    out, start = [], 0
+    for p in coalesce(parts):
+        out.append(p.index_select(0, pos[(pos >= start) & (pos < start + p.shape[0])] - start))
+        start += p.shape[0]
+    return out
 
 
 def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Union[torch.Tensor, List[torch.Tensor]]]:
@@ -308,13 +318,8 @@ def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Un
             raise RequestOptionsError("this server keeps final rows at loss positions only: send a loss_mask")
         pos = torch.nonzero(tensors["loss_mask"][: st.num_rows]).flatten()
         tensors["final_positions"] = pos
-        cut, start = [], 0
-        for p in pieces:
-            local = pos[(pos >= start) & (pos < start + p.rows)] - start
-            cut.append((p.final.index_select(0, local),
-                        None if p.final_scale is None else p.final_scale.index_select(0, local)))
-            start += p.rows
-        finals, final_scales = [c[0] for c in cut], [c[1] for c in cut]
+        finals = _select_rows([p.final for p in pieces], pos)
+        final_scales = _select_rows([p.final_scale for p in pieces], pos) if storage.scaled else None
     else:
         finals, final_scales = [p.final for p in pieces], [p.final_scale for p in pieces]
     tensors["final_hidden_states"] = finals

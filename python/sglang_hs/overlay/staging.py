@@ -219,6 +219,7 @@ class SlabPool:
     def stats(self) -> dict:
         return {"slab_bytes": self.slab_bytes, "max_slabs": self.max_slabs, "pinned": self.pin,
                 "host_bytes_allocated": self.pooled * self.slab_bytes,
+                "host_bytes_in_use": self.in_use * self.slab_bytes,
                 "host_bytes_peak_in_use": self.peak_in_use * self.slab_bytes, "overflow_slabs": self.overflow,
                 "full": self.full,
                 "backpressure_wait_s": round(self.waited_s, 3)}
