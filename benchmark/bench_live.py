@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 
 import requests
 
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench_gpu_export import LLAMA3_8B  # noqa: E402
 from harness.bench import measure_decode, provenance, random_prompts, spread  # noqa: E402
 from sglang_hs.format import iter_samples  # noqa: E402
+from sglang_hs.overlay.admission import sampled  # noqa: E402
 from sglang_hs.tools.serve import LocalServer  # noqa: E402
 
 # Decode is measured: prefill CUDA graphs are off in both servers (their capture costs ~90 s of
@@ -40,7 +42,8 @@ FLAGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend
          "--sampling-backend", "pytorch", "--skip-server-warmup", "--mem-fraction-static", "0.6",
          "--max-total-tokens", str(KV_TOKENS), "--enable-metrics", "--cuda-graph-backend-prefill", "disabled",
          "--cuda-graph-max-bs", "64"]  # the clients' count: decode graphs for the batches that run (60 s -> ~15 s)
-ARMS = [("off", "off", None), ("live_0.1", "live", None), ("live_1.0", "live", True)]
+RATE = 0.1
+ARMS = [("off", "off", None), (f"live_{RATE}", "live", None), ("live_1.0", "live", True)]
 
 
 def counters(url):
@@ -52,6 +55,20 @@ def kv_tokens(log_path):
     """The KV cache size SGLang allocated, from its start-up log line."""
     m = re.search(r"KV Cache is allocated\..*#tokens: (\d+)", open(log_path, errors="replace").read())
     return int(m.group(1)) if m else None
+
+
+def settle(url, before, expected, timeout_s=300):
+    """Wait until the live server has written, dropped or failed the `expected` samples this
+    arm sampled, so the next arm does not pay for this one's writes. Returns the counters'
+    change and the seconds waited after the arm's last answer (the writer's tail)."""
+    t0 = time.perf_counter()
+    while True:
+        after = counters(url)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        done = sum(delta.get(k, 0) for k in ("exported_samples", "dropped_samples", "failed_samples"))
+        if done >= expected or time.perf_counter() - t0 > timeout_s:
+            return delta, round(time.perf_counter() - t0, 2)
+        time.sleep(0.05)
 
 
 def clear(export_dir):
@@ -71,27 +88,33 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--work", default="/tmp")
     p.add_argument("--out", required=True)
+    p.add_argument("--cpu-model", help="a smoke run of this script on CPU (sglang-hs serve-cpu) with this checkpoint")
     a = p.parse_args()
-    model = tempfile.mkdtemp(prefix="llama3-8b-geometry-")
-    json.dump(LLAMA3_8B, open(f"{model}/config.json", "w"))
+    flags, cpu, vocab = FLAGS, False, 128000
+    if a.cpu_model:
+        model, cpu, vocab = a.cpu_model, True, 30000
+        flags = ["--skip-tokenizer-init", "--skip-server-warmup", "--enable-metrics", "--max-total-tokens", str(KV_TOKENS)]
+    else:
+        model = tempfile.mkdtemp(prefix="llama3-8b-geometry-")
+        json.dump(LLAMA3_8B, open(f"{model}/config.json", "w"))
     export_dir = tempfile.mkdtemp(prefix="hs-live-", dir="/dev/shm")
     res = {"benchmark": "gpu_live_capture_decode_llama3_8b_geometry", "provenance": provenance([sys.executable, *sys.argv]),
-           "server_flags": FLAGS, "shape": vars(a), "rounds": {name: [] for name, _, _ in ARMS}}
+           "server_flags": flags, "shape": vars(a), "rounds": {name: [] for name, _, _ in ARMS}}
 
     def save():
         json.dump(res, open(a.out, "w"), indent=2)
 
     # One after the other: SGLang sizes its KV cache from the GPU memory free at its start.
-    with LocalServer(["--model-path", model, *FLAGS], f"{a.work}/live-off.log", cpu=False) as off, \
-            LocalServer(["--model-path", model, *FLAGS, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
-                         "--export-sample-rate", "0.1"], f"{a.work}/live-on.log", cpu=False) as live:
+    with LocalServer(["--model-path", model, *flags], f"{a.work}/live-off.log", cpu=cpu) as off, \
+            LocalServer(["--model-path", model, *flags, "--export-hidden-states-dir", export_dir, "--export-mode", "live",
+                         "--export-sample-rate", str(RATE)], f"{a.work}/live-on.log", cpu=cpu) as live:
         servers = {"off": off, "live": live}
         res["kv_tokens"] = {k: kv_tokens(s.log_path) for k, s in servers.items()}
         if len(set(res["kv_tokens"].values())) != 1:
             save()
             sys.exit(f"the servers' KV caches differ ({res['kv_tokens']}): the arms would not compare; "
                      "lower --mem-fraction-static's share or KV_TOKENS")
-        warm = random_prompts(64, a.prompt_len, seed=3, vocab=128000)
+        warm = random_prompts(a.concurrency, a.prompt_len, seed=3, vocab=vocab)
         for name, srv in servers.items():
             # The live server's warm-up exports too, so the export path's first use stays out of
             # round 0 (the first H100 run warmed without it: its first live arm had a 2.5 s median
@@ -99,7 +122,7 @@ def main():
             measure_decode(srv.url, warm, 64, 32, rid_prefix=f"warm-{name}", export=True if name == "live" else False)
         clear(export_dir)
         for r in range(a.rounds):
-            ps = random_prompts(a.requests, a.prompt_len, seed=100 + r, vocab=128000)
+            ps = random_prompts(a.requests, a.prompt_len, seed=100 + r, vocab=vocab)
             order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]
             for name, server, export in order:
                 srv = servers[server]
@@ -107,14 +130,15 @@ def main():
                 m = measure_decode(srv.url, ps, a.concurrency, a.max_new_tokens, rid_prefix=f"r{r}-{name}",
                                    export=export)
                 if server == "live":
-                    after = counters(srv.url)  # samples still being written count in the next round
-                    m["counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    rids = [f"r{r}-{name}-{i:06d}" for i in range(len(ps))]  # measure_decode's rids
+                    m["sampled"] = len(rids) if export else sum(sampled(rid, RATE) for rid in rids)
+                    m["counters"], m["write_tail_s"] = settle(srv.url, before, m["sampled"])
                     clear(export_dir)
                 m["position_in_round"] = order.index((name, server, export))
                 res["rounds"][name].append(m)
                 save()
                 print(f"round {r} {name}: {m['output_tokens_per_s']:.0f} out tok/s, ITL p99 {m['itl_ms_p99']} ms "
-                      f"{m.get('counters', '')}", flush=True)
+                      f"{m.get('counters', '')} tail {m.get('write_tail_s', '')} s", flush=True)
         res["startup_s"] = {k: s.startup_s for k, s in servers.items()}
         res["counters_total"] = counters(live.url)
     rounds = res["rounds"]
