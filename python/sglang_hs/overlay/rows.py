@@ -297,7 +297,8 @@ def _select_rows(parts: Sequence[torch.Tensor], pos: torch.Tensor) -> List[torch
 
 def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Union[torch.Tensor, List[torch.Tensor]]]:
     """The sample's tensors for `format.write_sample_file`: lists of pieces are written one
-    after the other (the rows of successive chunks), never concatenated in memory. With
+    after the other (the rows of successive chunks and decode steps), never concatenated
+    whole in memory (only small pieces are joined, `format.coalesce`). With
     final rows at loss positions only, each piece's final rows at those positions are kept."""
     pieces = st.pieces
     tensors: Dict[str, Union[torch.Tensor, List[torch.Tensor]]] = {
