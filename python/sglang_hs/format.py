@@ -80,8 +80,8 @@ def coalesce(parts: Sequence[torch.Tensor], max_bytes: Optional[int] = None) -> 
 
     Why: every torch call and every write gives up the GIL, and taking it back while the
     scheduler thread runs Python costs up to the switch interval (5 ms). A sample with decode
-    rows has a one-row piece per generated token: written piece by piece, 257 pieces took 2-4 s
-    instead of 10 ms with a busy Python thread beside the writer (benchmark/results/
+    rows has a one-row piece per generated token: written piece by piece, 257 pieces took 3.0 s
+    instead of 13 ms with a busy Python thread beside the writer (benchmark/results/
     cpu_gil_writer.json), and a held answer waits for that."""
     max_bytes = max_bytes or COALESCE_BYTES
     out: List[torch.Tensor] = []
