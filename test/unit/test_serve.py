@@ -26,3 +26,20 @@ def test_the_user_s_own_binding_wins():
     env = cpu_env({"SGLANG_CPU_OMP_THREADS_BIND": "0-3|4-7"}, ranks=2)
     assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0-3|4-7" and "OMP_NUM_THREADS" in env
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in cpu_env({}, ranks=1)
+
+
+@given(before=st.integers(0, 80), after=st.integers(0, 300), n=st.integers(5, 60))
+def test_a_start_up_failure_shows_the_first_traceback_and_the_end_of_the_log(tmp_path_factory, before, after, n):
+    """A scheduler's crash is followed by the other processes' errors as the server stops; the
+    tail alone showed only those (a CI failure whose cause was cut off)."""
+    from sglang_hs.tools.serve import LocalServer
+
+    lines = [f"start {i}\n" for i in range(before)] + ["Traceback (most recent call last):\n", "  the crash\n"] + \
+        [f"later {i}\n" for i in range(after)]
+    path = tmp_path_factory.mktemp("log") / "server.log"
+    path.write_text("".join(lines))
+    out = LocalServer(["--model-path", "m"], str(path)).log_tail(n).splitlines(keepends=True)
+    assert "Traceback (most recent call last):\n" in out and "  the crash\n" in out
+    assert out[-min(n, len(lines)):] == lines[-n:]
+    assert len(out) <= n + 41 and len(set(l for l in out if l.startswith(("start", "later")))) == \
+        len([l for l in out if l.startswith(("start", "later"))])  # no line twice

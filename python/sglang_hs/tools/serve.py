@@ -172,8 +172,15 @@ class LocalServer:
         return None
 
     def log_tail(self, n: int = 60) -> str:
+        """The log's last n lines, after its first traceback when that came earlier (a crash
+        in one process is often followed by other processes' errors as the server stops)."""
         with open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
+            lines = f.readlines()
+        first = next((i for i, line in enumerate(lines) if line.startswith("Traceback")), None)
+        if first is None or first >= len(lines) - n:
+            return "".join(lines[-n:])
+        head = lines[first:min(first + 40, len(lines) - n)]
+        return "".join(head + [f"[... {len(lines) - n - first - len(head)} lines ...]\n"] + lines[-n:])
 
     def generate(self, payload: dict, timeout: float = 600) -> requests.Response:
         return requests.post(self.url + "/generate", json=payload, timeout=timeout)
