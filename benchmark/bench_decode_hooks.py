@@ -93,16 +93,14 @@ def main():
     total, written = [], []
     try:
         for r in range(a.rounds):
-            meds, w_s, stats = one_round(a, device, work)
+            meds, w_s, stats = one_round(a, device, os.path.join(work, f"round-{r}"))
             for ph in PHASES:
                 per[ph].append(meds[ph])
             total.append(sum(meds.values()))
             written.append(w_s)
             print(f"round {r}: " + " ".join(f"{ph} {meds[ph]:.3f}" for ph in PHASES)
                   + f" ms a step; writer {stats['samples']} samples, {w_s:.2f} s after the last step", flush=True)
-            for f in os.listdir(work):
-                if f.endswith(".safetensors") or f.startswith("manifest"):
-                    os.remove(os.path.join(work, f))
+            shutil.rmtree(os.path.join(work, f"round-{r}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out = {

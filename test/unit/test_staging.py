@@ -3,6 +3,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglang_hs.overlay.staging import SlabPool
 
@@ -118,3 +120,26 @@ def test_room_says_exactly_what_a_dropping_pool_can_place_and_a_refusal_gives_it
         for p in ps:
             p.release()
     assert pool.in_use == 0 and pool.room(64) == 40 and pool.overflow == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=12), st.booleans())
+def test_split_hands_out_each_run_of_rows_with_its_own_slab_reference(sizes, scaled):
+    k, h, n = 2, 3, sum(sizes)
+    pool = SlabPool(1 << 16, slab_bytes=1 << 14)
+    (piece,) = pool.pieces(n, k, h, torch.float32, scaled=scaled)
+    rows = torch.arange(n * k * h, dtype=torch.float32)
+    piece.aux.copy_(rows.view(n, k, h))
+    piece.final.copy_(rows[:n * h].view(n, h))
+    cuts = piece.split(sizes)
+    assert [c.rows for c in cuts] == sizes
+    at = 0
+    for c, r in zip(cuts, sizes):
+        assert torch.equal(c.aux, piece.aux[at:at + r]) and torch.equal(c.final, piece.final[at:at + r])
+        assert (c.aux_scale is None) == (not scaled) and (c.final_scale is None) == (not scaled)
+        at += r
+    piece.release()  # the forward's own reference: the cuts keep the slab
+    assert pool.stats()["host_bytes_in_use"] > 0
+    for c in cuts:
+        c.release()
+    assert pool.stats()["host_bytes_in_use"] == 0

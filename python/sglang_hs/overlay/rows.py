@@ -260,20 +260,23 @@ def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any 
     """Hand each segment its rows out of the forward's staged pieces (which hold the
     exported rows back to back, in segment order); return the requests whose prompt is now
     complete. Each piece's slab gains one reference per segment that uses it."""
-    complete = []
-    it = iter(staged)
-    cur, pos = None, 0  # current staged piece, rows of it already handed out
+    # Where each segment's rows lie: one cut or more (a segment may span staged pieces).
+    sizes: List[List[int]] = [[] for _ in staged]
+    cuts_of: List[int] = []
+    i, pos = 0, 0
     for seg in segments:
-        st, need, pieces = seg.state, seg.num_rows, []
+        need, cuts = seg.num_rows, 0
         while need:
-            if cur is None or pos == cur.rows:
-                cur, pos = next(it), 0
-            take = min(need, cur.rows - pos)
-            if cur.slab is not None:
-                cur.slab.ref()
-            pieces.append(cur.slice(pos, pos + take))
-            pos += take
-            need -= take
+            if pos == staged[i].rows:
+                i, pos = i + 1, 0
+            take = min(need, staged[i].rows - pos)
+            sizes[i].append(take)
+            pos, need, cuts = pos + take, need - take, cuts + 1
+        cuts_of.append(cuts)
+    cut = iter([c for p, s in zip(staged, sizes) if s for c in p.split(s)])
+    complete = []
+    for seg, n in zip(segments, cuts_of):
+        st, pieces = seg.state, [next(cut) for _ in range(n)]
         if st.dropped:  # failed or aborted meanwhile
             for p in pieces:
                 p.release()

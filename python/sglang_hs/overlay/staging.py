@@ -35,13 +35,23 @@ class Piece:
         """What the device copy fills, in the order `storage_planes` returns it."""
         return [x for x in (self.aux, self.final, self.aux_scale, self.final_scale) if x is not None]
 
-    def slice(self, a: int, b: int) -> "Piece":
-        """Rows [a, b) in the same slab (the caller takes a slab reference for it)."""
-        cut = lambda x: None if x is None else x[a:b]  # noqa: E731
-        return Piece(self.aux[a:b], self.final[a:b], self.slab, cut(self.aux_scale), cut(self.final_scale))
-
     def head(self, n: int) -> "Piece":
-        return self.slice(0, n) if n < self.rows else self
+        """Rows [0, n) in the same slab, taking over this piece's slab reference."""
+        if n >= self.rows:
+            return self
+        cut = lambda x: None if x is None else x[:n]  # noqa: E731
+        return Piece(self.aux[:n], self.final[:n], self.slab, cut(self.aux_scale), cut(self.final_scale))
+
+    def split(self, sizes: List[int]) -> List["Piece"]:
+        """Consecutive runs of rows from the first, `sizes` long, in the same slab, each with
+        its own slab reference. One call per plane makes all the views: a decode step hands
+        each request of its batch one row, and a Python slice per row cost ~5 us each."""
+        n = sum(sizes)
+        cuts = [x[:n].split(sizes) if x is not None else [None] * len(sizes)
+                for x in (self.aux, self.final, self.aux_scale, self.final_scale)]
+        if self.slab is not None:
+            self.slab.ref(len(sizes))
+        return [Piece(a, f, self.slab, sa, sf) for a, f, sa, sf in zip(*cuts)]
 
     def release(self) -> None:
         if self.slab is not None:
@@ -61,9 +71,9 @@ class Slab:
     def __init__(self, data: torch.Tensor, pool: "SlabPool", pooled: bool):
         self.data, self.pool, self.refs, self.pooled = data, pool, 0, pooled
 
-    def ref(self) -> None:
+    def ref(self, n: int = 1) -> None:
         with self.pool._cv:
-            self.refs += 1
+            self.refs += n
 
     def unref(self) -> None:
         with self.pool._cv:
