@@ -37,8 +37,9 @@ PHASES = ("begin", "rows", "end")
 
 def one_round(a, device, work):
     k = len(a.aux)
+    os.makedirs(work)
     writer = SampleWriter(DirectorySink(work, "dp0", a.aux), SlabPool(a.host_gib << 30, pin=device.type == "cuda"),
-                          lambda outcome: None, threads=2)
+                          lambda outcome: None, threads=a.writer_threads)
     rt = ExportRuntime(a.aux, writer, "dp0-tp0")
     opts = {"sglang_hs": {"decode_rows": True}}
     states = [rt.new_state(f"r{i}", list(range(a.prompt)), opts, lambda: False) for i in range(a.batch)]
@@ -72,7 +73,7 @@ def one_round(a, device, work):
     writer.flush()
     written = time.perf_counter() - t_w
     writer.close()
-    return {p: statistics.median(v) for p, v in t.items()}, written, writer.stats
+    return {p: statistics.median(v) for p, v in t.items()}, written, dict(writer.stats)
 
 
 def main():
@@ -84,13 +85,14 @@ def main():
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--aux", type=int, nargs="+", default=[2, 4, 6])
     p.add_argument("--host-gib", type=int, default=4)
+    p.add_argument("--writer-threads", type=int, default=8, help="the server's default")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None)
     a = p.parse_args()
     device = torch.device(a.device)
     work = tempfile.mkdtemp(prefix="decode-hooks-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     per = {ph: [] for ph in PHASES}
-    total, written = [], []
+    total, written, sample_bytes = [], [], None
     try:
         for r in range(a.rounds):
             meds, w_s, stats = one_round(a, device, os.path.join(work, f"round-{r}"))
@@ -98,6 +100,7 @@ def main():
                 per[ph].append(meds[ph])
             total.append(sum(meds.values()))
             written.append(w_s)
+            sample_bytes = stats["bytes"] / max(1, stats["samples"])
             print(f"round {r}: " + " ".join(f"{ph} {meds[ph]:.3f}" for ph in PHASES)
                   + f" ms a step; writer {stats['samples']} samples, {w_s:.2f} s after the last step", flush=True)
             shutil.rmtree(os.path.join(work, f"round-{r}"))
@@ -110,6 +113,8 @@ def main():
                   "device": a.device, "decode_graph": device.type == "cuda"},
         "ms_per_step": {ph: spread(v) for ph, v in per.items()} | {"total": spread(total)},
         "writer_tail_s": spread(written),
+        "writer_tail_what": "seconds from the last step until every sample (the batch's, prompt and answer) is written",
+        "sample_bytes": sample_bytes,
         **provenance(sys.argv),
     }
     print(json.dumps(out["ms_per_step"], indent=1))
