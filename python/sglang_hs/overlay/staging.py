@@ -45,7 +45,8 @@ class Piece:
     def split(self, sizes: List[int]) -> List["Piece"]:
         """Consecutive runs of rows from the first, `sizes` long, in the same slab, each with
         its own slab reference. One call per plane makes all the views: a decode step hands
-        each request of its batch one row, and a Python slice per row cost ~5 us each."""
+        each request of its batch one row, and a Python slice per row made handing out a
+        batch of 64 take 0.32 ms instead of 0.25 (benchmark/bench_decode_hooks.py, dev CPU)."""
         n = sum(sizes)
         cuts = [x[:n].split(sizes) if x is not None else [None] * len(sizes)
                 for x in (self.aux, self.final, self.aux_scale, self.final_scale)]
