@@ -33,6 +33,7 @@ from sglang_hs.overlay.staging import SlabPool  # noqa: E402
 from sglang_hs.overlay.writer import SampleWriter  # noqa: E402
 
 PHASES = ("begin", "rows", "end")
+PREFILL_TOKENS, PREFILL_FORWARDS = 8192, 8
 
 
 def one_round(a, device, work):
@@ -72,8 +73,22 @@ def one_round(a, device, work):
     t_w = time.perf_counter()
     writer.flush()
     written = time.perf_counter() - t_w
+    # Prompt-only forwards of PREFILL_TOKENS (8 prompts): the host time of planning, gathering
+    # and staging their rows, and handing them to the writer (device work queued, not waited).
+    per = PREFILL_TOKENS // 8
+    rows = torch.randn(PREFILL_TOKENS, a.hidden, dtype=torch.bfloat16, device=device)
+    pre = []
+    for f in range(PREFILL_FORWARDS):
+        batch = [rt.new_state(f"p{f}-{i}", list(range(per)), None, lambda: False) for i in range(8)]
+        t0 = time.perf_counter()
+        rt.begin_forward(batch, [0] * 8, [per] * 8)
+        rt.stage(rows, [rows] * k)
+        rt.end_forward()
+        pre.append((time.perf_counter() - t0) * 1000)
+    writer.flush()
     writer.close()
-    return {p: statistics.median(v) for p, v in t.items()}, written, dict(writer.stats)
+    return {p: statistics.median(v) for p, v in t.items()} | {"prefill": statistics.median(pre)}, written, \
+        dict(writer.stats)
 
 
 def main():
@@ -92,16 +107,17 @@ def main():
     device = torch.device(a.device)
     work = tempfile.mkdtemp(prefix="decode-hooks-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     per = {ph: [] for ph in PHASES}
-    total, written, sample_bytes = [], [], None
+    total, written, sample_bytes, prefill = [], [], None, []
     try:
         for r in range(a.rounds):
             meds, w_s, stats = one_round(a, device, os.path.join(work, f"round-{r}"))
             for ph in PHASES:
                 per[ph].append(meds[ph])
-            total.append(sum(meds.values()))
+            total.append(sum(meds[ph] for ph in PHASES))
+            prefill.append(meds["prefill"])
             written.append(w_s)
             sample_bytes = stats["bytes"] / max(1, stats["samples"])
-            print(f"round {r}: " + " ".join(f"{ph} {meds[ph]:.3f}" for ph in PHASES)
+            print(f"round {r}: " + " ".join(f"{ph} {meds[ph]:.3f}" for ph in (*PHASES, "prefill"))
                   + f" ms a step; writer {stats['samples']} samples, {w_s:.2f} s after the last step", flush=True)
             shutil.rmtree(os.path.join(work, f"round-{r}"))
     finally:
@@ -112,6 +128,8 @@ def main():
         "shape": {"batch": a.batch, "prompt": a.prompt, "steps": a.steps, "hidden": a.hidden, "aux_layers": a.aux,
                   "device": a.device, "decode_graph": device.type == "cuda"},
         "ms_per_step": {ph: spread(v) for ph, v in per.items()} | {"total": spread(total)},
+        "ms_per_prefill_forward": spread(prefill),
+        "prefill_forward": f"{PREFILL_TOKENS} tokens, 8 prompts, prompt rows only (median of {PREFILL_FORWARDS} a round)",
         "writer_tail_s": spread(written),
         "writer_tail_what": "seconds from the last step until every sample (the batch's, prompt and answer) is written",
         "sample_bytes": sample_bytes,

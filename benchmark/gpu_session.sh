@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the GPU host (no network): unpack the offline SGLang 0.5.17 bundle, install
 # this checkout's wheel next to it, prove the plugin is discoverable, then run the given steps.
-#   benchmark/gpu_session.sh tests families int4 baselines   (or: radix-on radix-off fp8 long e2e decode hooks live regenerate)
+#   benchmark/gpu_session.sh tests families int4 baselines   (or: radix-on radix-off fp8 long e2e decode hooks live
+#   regenerate plugin-off mla)
 # Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu), .gpu/sglang_hs-*.whl
 # (pip wheel --no-deps -w .gpu .) and, for `families` and `int4`, .gpu/tok (the SmolLM2 tokenizer
 # files: tokenizer.json, tokenizer_config.json, chat_template.jinja), all carried.
@@ -55,7 +56,15 @@ for step in "$@"; do
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_families.txt" ;;
     decode) SGLANG_HS_GPU_RESULTS=$OUT/gpu_decode.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_export_gpu.py \
              -k decode_rows -p no:cacheprovider 2>&1 | tee "$OUT/gpu_decode.txt" ;;
-    hooks) $T python3 benchmark/bench_decode_hooks.py --device cuda --out $OUT/gpu_decode_hooks.json 2>&1 | tee "$OUT/bench_decode_hooks.txt" ;;
+    # batch 256 with 128-token prompts: its prompt and answer rows (3 GB) fit an 8 GiB host buffer
+    hooks) $T python3 benchmark/bench_decode_hooks.py --device cuda --batch 64 --out $OUT/gpu_decode_hooks_64.json \
+             2>&1 | tee -a "$OUT/bench_decode_hooks.txt"
+         $T python3 benchmark/bench_decode_hooks.py --device cuda --batch 256 --prompt 128 --host-gib 8 \
+             --out $OUT/gpu_decode_hooks_256.json 2>&1 | tee -a "$OUT/bench_decode_hooks.txt" ;;
+    plugin-off) $T python3 benchmark/bench_plugin_off.py --rounds ${ROUNDS:-5} --out $OUT/gpu_plugin_off.json \
+             --work $SGLANG_HS_LOGS 2>&1 | tee "$OUT/bench_plugin_off.txt" ;;
+    mla) SGLANG_HS_GPU_RESULTS=$OUT/gpu_mla_decode.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_mla_decode_gpu.py \
+             -p no:cacheprovider 2>&1 | tee "$OUT/gpu_mla_decode.txt" ;;
     live) $T python3 benchmark/bench_live.py --rounds ${ROUNDS:-5} --requests ${LIVE_REQUESTS:-128} --out $OUT/gpu_live.json --work $SGLANG_HS_LOGS \
              2>&1 | tee "$OUT/bench_live.txt" ;;
     regenerate) M=/tmp/online-model; tiny_gpu_model $M || exit 6

@@ -6,15 +6,21 @@ import dataclasses
 import importlib
 import inspect
 import json
+import os
 import pkgutil
 import types
 
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 
-load_plugins()  # discovers sglang_hs through its entry point, like every SGLang process
+from sglang_hs.overlay import seams
 
-from sglang_hs.overlay import seams  # noqa: E402
+# A scheduler of a CPU server with export on registers every seam (seams.active); once
+# applied, the hooks pass through here (no export configured).
+os.environ[seams.ENV_CONFIG] = "{}"
+os.environ[seams.ENV_CPU] = "1"
+load_plugins()  # discovers sglang_hs through its entry point, like every SGLang process
+del os.environ[seams.ENV_CONFIG], os.environ[seams.ENV_CPU]
 
 out = {"seams": {}, "facts": {}}
 for s in seams.SEAMS:

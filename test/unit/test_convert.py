@@ -47,7 +47,7 @@ def write_sample(w, rid, planes, ids, mask, metadata):
                                                                        call_id=f"c-{rid}"))
     n = len(ids)
     for start, end in ((0, n // 2), (n // 2, n)):
-        _, segs, _ = plan_forward([st], [start], [end - start])
+        segs, _ = plan_forward([st], [start], [end - start])
         p = planes[start:end].bfloat16()
         stored = storage_planes(p[:, :-1].contiguous(), p[:, -1].contiguous(), w.storage)
         piece = Piece(stored[0], stored[1], None, *stored[2:])
@@ -267,7 +267,7 @@ def test_a_float32_export_trains_with_specforges_bf16_target_head(export, traine
     json.dump(info, open(os.path.join(d32, "export.json"), "w"))
     sid, (ids, mask, _, planes) = next(iter(samples.items()))
     st = RequestState(rid=sid, prompt_ids=ids, options=RequestOptions(loss_mask=mask, call_id="c"))
-    _, segs, _ = plan_forward([st], [0], [len(ids)])
+    segs, _ = plan_forward([st], [0], [len(ids)])
     piece = Piece(planes[:, :-1].contiguous(), planes[:, -1].contiguous(), None)
     split_rows([piece], segs)
     piece.release()

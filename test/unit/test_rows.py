@@ -3,7 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from sglang_hs.overlay.rows import RequestState, build_sample, gather_rows, plan_decode, plan_forward, split_rows
+from sglang_hs.overlay.rows import (RequestState, build_sample, gather_rows, plan_decode, plan_forward, row_index,
+                                    spans, split_rows)
 from sglang_hs.format import Storage
 from sglang_hs.overlay.staging import GraphRows, Piece
 from sglang_hs.protocol import RequestOptions, RequestOptionsError
@@ -37,9 +38,11 @@ def run_decode(states, seq_lens, piece_rows=3):
 
 
 def stage(plan, positions, piece_rows):
-    rows, segs, failed = plan
+    segs, failed = plan
     all_rows = forward_rows(positions)
-    host = all_rows[torch.tensor(rows, dtype=torch.long)] if rows else all_rows
+    host = gather_rows(all_rows[:, K], all_rows[:, :K].reshape(all_rows.shape[0], -1), row_index(segs, all_rows.device),
+                       K) if segs else (all_rows[:, :K], all_rows[:, K])
+    host = torch.cat([host[0], host[1][:, None]], 1)
     staged = [Piece(host[a:a + piece_rows, :K].contiguous(), host[a:a + piece_rows, K].contiguous())
               for a in range(0, host.shape[0], piece_rows)]
     done = split_rows(staged, segs) if segs else []
@@ -73,8 +76,8 @@ def test_chunked_prefill_stitches_in_order():
 def test_decode_and_output_tokens_are_not_exported():
     a = state("a", 3)
     assert run([a], [0], [3])[0] == [a] and a.planned  # handed to the writer
-    rows, segs, _ = plan_forward([a], [3], [1])  # mixed-chunk decode row
-    assert rows == [] and segs == []
+    segs, _ = plan_forward([a], [3], [1])  # mixed-chunk decode row
+    assert segs == []
 
 
 def test_retracted_request_prefilled_again_adds_no_rows():
@@ -82,8 +85,8 @@ def test_retracted_request_prefilled_again_adds_no_rows():
     done, _ = run([a], [0], [6])
     assert done == [a] and a.planned
     # After retraction SGLang prefills prompt + output again from position 0.
-    rows, segs, _ = plan_forward([a], [0], [8])
-    assert rows == [] and segs == []
+    segs, _ = plan_forward([a], [0], [8])
+    assert segs == []
 
 
 def test_restart_mid_prompt_replaces_overlap_instead_of_duplicating():
@@ -249,9 +252,9 @@ def test_a_request_keeps_only_its_newest_copy_event():
     a = state("a", 3, decode_rows=True)
     events = [object() for _ in range(5)]
     plan = plan_forward([a], [0], [3])
-    split_rows([Piece(torch.zeros(3, K, H), torch.zeros(3, H))], plan[1], events[0])
+    split_rows([Piece(torch.zeros(3, K, H), torch.zeros(3, H))], plan[0], events[0])
     for n, ev in zip(range(4, 8), events[1:]):
-        _, segs, _ = plan_decode([a], [n])
+        segs, _ = plan_decode([a], [n])
         split_rows([Piece(torch.zeros(1, K, H), torch.zeros(1, H))], segs, ev)
     assert a.ready == [events[-1]]
 
@@ -271,3 +274,28 @@ def test_final_rows_at_loss_positions_are_the_masked_rows_whatever_the_pieces(ro
     pos = [i for i, m in enumerate(mask) if m]
     assert t["final_positions"].tolist() == pos
     assert torch.equal(torch.cat(t["final_hidden_states"]), whole[pos, K])
+
+
+@settings(max_examples=300, deadline=None)
+@given(reqs=hs.lists(hs.tuples(hs.booleans(), hs.integers(0, 5), hs.integers(1, 7)), min_size=1, max_size=10))
+def test_row_index_gathers_exactly_the_planned_rows_in_order(reqs):
+    """A forward of requests (exported or not, prefix, extend): the rows gathered through the
+    planned spans are the planned positions' rows, request by request, as a per-row index of
+    ints would give; one run of rows is a plain slice (no index built)."""
+    states = [state(f"r{i}", p + e) if exported else None for i, (exported, p, e) in enumerate(reqs)]
+    for st, (_, p, _) in zip(states, reqs):
+        if st is not None:
+            st.next_pos = p  # the request exported its first p positions in earlier chunks
+    segs, failed = plan_forward(states, [p for _, p, _ in reqs], [e for _, _, e in reqs])
+    assert not failed
+    n = sum(e for _, _, e in reqs)
+    final, aux = torch.randn(n, H), torch.randn(n, K * H)
+    expected = [seg.row + j for seg in segs for j in range(seg.num_rows)]
+    if not segs:
+        return
+    idx = row_index(segs, final.device)
+    assert isinstance(idx, slice) == (len(spans(segs)) == 1)
+    got_aux, got_final = gather_rows(final, aux, idx, K)
+    ref = torch.tensor(expected)
+    assert torch.equal(got_final, final[ref]) and torch.equal(got_aux, aux[ref].view(-1, K, H))
+    assert got_final.data_ptr() != final.data_ptr()  # its own rows, never a view of the forward's

@@ -18,7 +18,7 @@ def complete_state(rid, n, loss_mask=None, pool=None):
     """A request whose n prompt rows arrived in two chunks, staged in slabs of `pool`."""
     st = RequestState(rid=rid, prompt_ids=list(range(n)), options=RequestOptions(loss_mask=loss_mask, call_id=f"c-{rid}"))
     for start, end in ((0, n // 2), (n // 2, n)):
-        _, segs, _ = plan_forward([st], [start], [end - start])
+        segs, _ = plan_forward([st], [start], [end - start])
         if not segs:
             continue
         r = end - start

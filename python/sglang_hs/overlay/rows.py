@@ -138,11 +138,15 @@ class RequestState:
 
     def release(self) -> None:
         """Give the rows' host memory back (after the write, or when the sample is dropped)."""
-        for p in self.pieces:
+        pieces, _ = self.take_rows()
+        for p in pieces:
             p.release()
-        self.pieces.clear()
-        self.ready.clear()
-        self.rows_held = 0
+
+    def take_rows(self) -> Tuple[List[Piece], List[Any]]:
+        """Hand over the rows (pieces, and the copy events they wait on); the state keeps none."""
+        pieces, ready = self.pieces, self.ready
+        self.pieces, self.ready, self.rows_held = [], [], 0
+        return pieces, ready
 
 
 @dataclasses.dataclass
@@ -150,15 +154,17 @@ class Segment:
     state: RequestState
     start: int  # prompt position of the first row
     num_rows: int
+    row: int = 0  # the forward's row holding it (its rows are rows row..row+num_rows-1)
 
 
 def plan_forward(
     states: Sequence[Optional[RequestState]],
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
-) -> Tuple[List[int], List[Segment], List[RequestState]]:
-    """Rows of one extend forward to export: (flat row indices, one segment per request,
-    requests that failed).
+) -> Tuple[List[Segment], List[RequestState]]:
+    """Rows of one extend forward to export: (one segment per request, in row order;
+    requests that failed). Rows are spans, never one Python int per token. A sample the
+    writer dropped is planned on (every rank caps its prefix alike) with no segment.
 
     The forward's rows are the requests' extend tokens back to back. A request contributes
     the rows of its prompt positions (decode rows: of every position it extends, which after a
@@ -166,7 +172,6 @@ def plan_forward(
     the request has exported would leave a hole, so it fails the sample with a message
     instead of writing wrong rows.
     """
-    rows: List[int] = []
     segments: List[Segment] = []
     failed: List[RequestState] = []
     offset = 0
@@ -181,21 +186,20 @@ def plan_forward(
             else:
                 n = e if st.decode_rows else min(p + e, st.prompt_len) - p
                 if n > 0:
-                    rows.extend(range(offset, offset + n))
-                    segments.append(Segment(st, p, n))
+                    if not st.dropped:  # planning goes on for a dropped sample; its rows are not kept
+                        segments.append(Segment(st, p, n, offset))
                     st.next_pos = p + n
                     st.planned = not st.decode_rows and st.next_pos == st.prompt_len
         offset += e
-    return rows, segments, failed
+    return segments, failed
 
 
 def plan_decode(
     states: Sequence[Optional[RequestState]], seq_lens: Sequence[int]
-) -> Tuple[List[int], List[Segment], List[RequestState]]:
+) -> Tuple[List[Segment], List[RequestState]]:
     """Rows of one decode forward to export, as plan_forward: request i's row is row i, the
     position seq_lens[i] - 1 (the token this step feeds in). Only requests with decode rows
     that have not finished contribute."""
-    rows: List[int] = []
     segments: List[Segment] = []
     failed: List[RequestState] = []
     for i, (st, n) in enumerate(zip(states, seq_lens)):
@@ -207,41 +211,63 @@ def plan_decode(
                     f"{st.next_pos}..{pos - 1} were never computed; this is a bug in sglang-hs, please report it")
             failed.append(st)
             continue
-        rows.append(i)
-        segments.append(Segment(st, pos, 1))
+        if not st.dropped:
+            segments.append(Segment(st, pos, 1, i))
         st.next_pos = pos + 1
-    return rows, segments, failed
+    return segments, failed
 
 
-def without_dropped(rows: Sequence[int], segments: Sequence[Segment]) -> Tuple[List[int], List[Segment]]:
-    """A forward's plan less the segments of samples the writer dropped (each segment owns
-    the next num_rows of `rows`, in order)."""
-    kept_rows: List[int] = []
-    kept: List[Segment] = []
-    at = 0
+def spans(segments: Sequence[Segment]) -> List[Tuple[int, int]]:
+    """The forward rows the segments take, as (first row, rows) runs: adjacent segments join."""
+    out: List[Tuple[int, int]] = []
     for seg in segments:
-        if not seg.state.dropped:
-            kept_rows.extend(rows[at:at + seg.num_rows])
-            kept.append(seg)
-        at += seg.num_rows
-    return kept_rows, kept
+        if out and out[-1][0] + out[-1][1] == seg.row:
+            out[-1] = (out[-1][0], out[-1][1] + seg.num_rows)
+        else:
+            out.append((seg.row, seg.num_rows))
+    return out
+
+
+RowIndex = Union[slice, torch.Tensor]
+
+
+def row_index(segments: Sequence[Segment], device: torch.device) -> RowIndex:
+    """Which of a forward's rows to gather, for `gather_rows`: one run is a slice (no index at
+    all: a decode step whose every request exports, a prefill of exported prompts only);
+    otherwise an index built on the host from the runs (one torch call per forward, not a
+    Python int per row) and copied from pinned memory without blocking the calling thread."""
+    runs = spans(segments)
+    if len(runs) == 1:
+        return slice(runs[0][0], runs[0][0] + runs[0][1])
+    starts, lengths = torch.tensor(runs, dtype=torch.long).unbind(1)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    index = torch.repeat_interleave(starts - offsets, lengths) + torch.arange(int(lengths.sum()))
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 AuxStates = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-def gather_rows(final: torch.Tensor, aux: AuxStates, index: torch.Tensor, num_aux: int):
-    """(aux [n, K, H], final [n, H]) on the forward's device, rows in `index` order, each
-    contiguous, so every request's rows are two contiguous blocks.
+def gather_rows(final: torch.Tensor, aux: AuxStates, index: RowIndex, num_aux: int):
+    """(aux [n, K, H], final [n, H]) on the forward's device, rows in `index` order (a
+    `row_index`), each contiguous, so every request's rows are two contiguous blocks. Always
+    new tensors, never views of the forward's own (they are quantized in place and copied to
+    the host after the next forward may have reused SGLang's buffers).
 
     `aux` is SGLang's list of K [N, H] tensors or its packed [N, K*H] buffer."""
+    def take(x):
+        return x[index].clone() if isinstance(index, slice) else x.index_select(0, index)
+
     if isinstance(aux, torch.Tensor):
-        aux_rows = aux.index_select(0, index).view(index.numel(), num_aux, -1)
+        rows = take(aux)
+        aux_rows = rows.view(rows.shape[0], num_aux, -1)
     else:
         if len(aux) != num_aux:
             raise RuntimeError(f"model captured {len(aux)} aux layers, expected {num_aux}")
-        aux_rows = torch.stack([a.index_select(0, index) for a in aux], dim=1)
-    return aux_rows, final.index_select(0, index)
+        aux_rows = torch.stack([x[index] if isinstance(index, slice) else x.index_select(0, index) for x in aux], dim=1)
+    return aux_rows, take(final)
 
 
 def storage_planes(aux_rows: torch.Tensor, final_rows: torch.Tensor, storage: Storage) -> List[torch.Tensor]:
@@ -258,25 +284,27 @@ def storage_planes(aux_rows: torch.Tensor, final_rows: torch.Tensor, storage: St
 
 def split_rows(staged: Sequence[Piece], segments: Sequence[Segment], ready: Any = None) -> List[RequestState]:
     """Hand each segment its rows out of the forward's staged pieces (which hold the
-    exported rows back to back, in segment order); return the requests whose prompt is now
-    complete. Each piece's slab gains one reference per segment that uses it."""
-    # Where each segment's rows lie: one cut or more (a segment may span staged pieces).
-    sizes: List[List[int]] = [[] for _ in staged]
-    cuts_of: List[int] = []
-    i, pos = 0, 0
-    for seg in segments:
-        need, cuts = seg.num_rows, 0
-        while need:
-            if pos == staged[i].rows:
-                i, pos = i + 1, 0
-            take = min(need, staged[i].rows - pos)
-            sizes[i].append(take)
-            pos, need, cuts = pos + take, need - take, cuts + 1
-        cuts_of.append(cuts)
-    cut = iter([c for p, s in zip(staged, sizes) if s for c in p.split(s)])
+    exported rows back to back, in segment order); return the requests whose sample is now
+    complete. Each piece's slab gains one reference per segment that uses it. One `split`
+    per staged piece and plane makes every segment's views (a decode step: one piece, one
+    row per request)."""
+    pieces_of: List[List[Piece]] = [[] for _ in segments]
+    i, left = 0, segments[0].num_rows if segments else 0  # the segment being filled, its rows still to place
+    for piece in staged:
+        sizes, owners, room = [], [], piece.rows
+        while room and i < len(segments):
+            take = min(room, left)
+            sizes.append(take)
+            owners.append(i)
+            room, left = room - take, left - take
+            if left == 0:
+                i += 1
+                left = segments[i].num_rows if i < len(segments) else 0
+        for k, cut in zip(owners, piece.split(sizes)):
+            pieces_of[k].append(cut)
     complete = []
-    for seg, n in zip(segments, cuts_of):
-        st, pieces = seg.state, [next(cut) for _ in range(n)]
+    for seg, pieces in zip(segments, pieces_of):
+        st = seg.state
         if st.dropped:  # failed or aborted meanwhile
             for p in pieces:
                 p.release()

@@ -5,19 +5,21 @@ values; every tensor-parallel rank runs it, only the writer rank stages and writ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from sglang_hs.overlay.rows import (AuxStates, RequestState, Segment, gather_rows, plan_decode, plan_forward,
-                                    split_rows, storage_planes, without_dropped)
-from sglang_hs.overlay.staging import DeviceStager, GraphRows, Piece, copy_into
+                                    row_index, split_rows, storage_planes)
+from sglang_hs.overlay.staging import DeviceStager, GraphRows, Piece, SlabPool, copy_into
 from sglang_hs.overlay.writer import SampleWriter
 from sglang_hs.protocol import parse_request_options
 
@@ -25,15 +27,66 @@ logger = logging.getLogger("sglang_hs.overlay.runtime")
 
 # Seconds between two stats lines of a rank (0: after every extend forward, for tests).
 STATS_INTERVAL_ENV = "SGLANG_HS_STATS_INTERVAL_S"
+# "1" (the GPU tests): a host sync in our hooks' own work fails loudly (SyncCheck).
+SYNC_CHECK_ENV = "SGLANG_HS_SYNC_CHECK"
+
+
+class SyncCheck:
+    """Our hooks' own work on the scheduler thread, checked for host syncs: torch's CUDA sync
+    debug mode at "error" (a blocking copy, `.item()` or `.tolist()` of a device tensor, a
+    stream or device synchronize raise) and CUDA event waits refused on this thread, which
+    that mode does not see. The seams enter it around the runtime's calls, never around
+    SGLang's own forward. Used when SYNC_CHECK_ENV is "1"; otherwise `NO_CHECK` stands in."""
+
+    def __init__(self):
+        self._local = threading.local()
+        wait = torch.cuda.Event.synchronize
+        local = self._local
+
+        def synchronize(event):
+            if getattr(local, "depth", 0):
+                raise RuntimeError("sglang-hs: a CUDA event wait on the scheduler thread inside an export hook")
+            return wait(event)
+
+        torch.cuda.Event.synchronize = synchronize
+
+    def __enter__(self):
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            self._local.prev = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+        self._local.depth = depth + 1
+
+    def __exit__(self, *exc):
+        self._local.depth -= 1
+        if self._local.depth == 0:
+            torch.cuda.set_sync_debug_mode(self._local.prev)
+
+
+NO_CHECK = contextlib.nullcontext()
+
+
+def sync_check():
+    """The context the seams run the runtime's calls in (see SyncCheck)."""
+    global _sync_check
+    if _sync_check is None:
+        _sync_check = SyncCheck() if os.environ.get(SYNC_CHECK_ENV) == "1" and torch.cuda.is_available() else NO_CHECK
+    return _sync_check
+
+
+_sync_check = None
 
 
 @dataclasses.dataclass
 class _Forward:
-    rows: List[int]
-    segments: List[Segment]
+    segments: List[Segment]  # in the forward's row order
     decode: bool = False
     staged: Optional[List[Piece]] = None  # the exported rows in host slabs, in segment order
     ready: Optional[object] = None  # CUDA event: the staged rows have landed
+
+
+def _rows(fwd: _Forward) -> int:
+    return sum(seg.num_rows for seg in fwd.segments)
 
 
 class ExportRuntime:
@@ -78,17 +131,13 @@ class ExportRuntime:
         return self._begin(plan_decode(states, seq_lens), decode=True)
 
     def _begin(self, plan, decode: bool) -> bool:
-        rows, segments, failed = plan
+        segments, failed = plan
         for st in failed:
             self._fail(st)
         self._maybe_log_stats()
-        if self.writer is None:
+        if self.writer is None or not segments:
             return False
-        if any(seg.state.dropped for seg in segments):  # planning goes on for them; no rows are kept
-            rows, segments = without_dropped(rows, segments)
-        if not segments:
-            return False
-        self._fwd = _Forward(rows, segments, decode)
+        self._fwd = _Forward(segments, decode)
         return True
 
     def capture_decode_graph(self, final: torch.Tensor, aux: Optional[AuxStates]) -> None:
@@ -99,28 +148,28 @@ class ExportRuntime:
 
     def stage(self, final: torch.Tensor, aux: Optional[AuxStates]) -> None:
         """Called inside the model's LogitsProcessor with every row of the forward (or, after
-        a decode graph's replay, with its static rows): copy the planned rows into host slabs."""
+        a decode graph's replay, with its static rows): copy the planned rows into host slabs.
+        The calling thread never waits for the device: host room is found (or, in live
+        capture, rows are shed) before any device work, the row index is a slice or a pinned
+        non-blocking copy, and the device->host copy runs on a side stream."""
         fwd = self._fwd
         if fwd is None or fwd.staged is not None:
             return
         if aux is None:
             raise RuntimeError("sglang-hs: the model returned no aux hidden states in this forward")
-        index = torch.tensor(fwd.rows, dtype=torch.long)
-        on_gpu = final.device.type == "cuda"
-        if on_gpu:
-            index = index.pin_memory().to(final.device, non_blocking=True)
-        aux_rows, final_rows = gather_rows(final, aux, index, self.num_aux)
-        storage = self.writer.storage
-        planes = storage_planes(aux_rows, final_rows, storage)  # fp8: quantized here, before the copy
-        fwd.staged = self.writer.pool.pieces(len(fwd.rows), self.num_aux, final_rows.shape[-1], planes[0].dtype,
-                                             scaled=storage.scaled)
+        storage, pool = self.writer.storage, self.writer.pool
+        hidden, dtype = final.shape[-1], storage.row_dtype(final.dtype)
+        fwd.staged = pool.pieces(_rows(fwd), self.num_aux, hidden, dtype, scaled=storage.scaled)
         if fwd.staged is None:  # live capture and the host buffer is full: shed, never wait
-            planes = self._shed(fwd, planes)
-            if planes is None:
+            if not self._shed(fwd, SlabPool.row_bytes(self.num_aux, hidden, dtype, storage.scaled)):
                 return
-            fwd.staged = self.writer.pool.pieces(len(fwd.rows), self.num_aux, final_rows.shape[-1], planes[0].dtype,
-                                                 scaled=storage.scaled)
-        if on_gpu:
+            fwd.staged = pool.pieces(_rows(fwd), self.num_aux, hidden, dtype, scaled=storage.scaled)
+            if fwd.staged is None:  # room() counted it free; a guard, not a path
+                self._shed_all(fwd)
+                return
+        aux_rows, final_rows = gather_rows(final, aux, row_index(fwd.segments, final.device), self.num_aux)
+        planes = storage_planes(aux_rows, final_rows, storage)  # fp8: quantized here, before the copy
+        if final.device.type == "cuda":
             if self._stager is None:
                 self._stager = DeviceStager(final.device)
             fwd.ready = self._stager.copy(planes, fwd.staged)
@@ -128,33 +177,35 @@ class ExportRuntime:
             copy_into(planes, fwd.staged)
         self.copies += 1
 
-    def _shed(self, fwd: _Forward, planes: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    def _shed(self, fwd: _Forward, row_bytes: int) -> bool:
         """Keep the samples of this forward that the host buffer has room for, those with the
-        most rows held first (the most work kept); drop and count the others. Returns the
-        kept rows' planes, or None (and no forward) when none fit."""
-        row_bytes = sum(p[0].numel() * p.element_size() for p in planes)
+        most rows held first (the most work kept); drop and count the others. Decided on the
+        host before the rows are gathered. False (and no forward) when none fit."""
         room = self.writer.pool.room(row_bytes)
         keep = set()
         for seg in sorted(fwd.segments, key=lambda g: -g.state.rows_held):
             if seg.num_rows <= room:
                 room -= seg.num_rows
                 keep.add(id(seg))
-        at, index = 0, []
         for seg in fwd.segments:
-            if id(seg) in keep:
-                index.extend(range(at, at + seg.num_rows))
-            else:
-                self._in_progress.pop(id(seg.state), None)
-                seg.state.drop("dropped: the host buffer was full (live capture)")
-                self.writer.drop(seg.state)
-                self.writer.shed(seg.state)
-            at += seg.num_rows
-        fwd.rows, fwd.segments = without_dropped(fwd.rows, fwd.segments)
+            if id(seg) not in keep:
+                self._shed_one(seg.state)
+        fwd.segments = [seg for seg in fwd.segments if id(seg) in keep]
         if not fwd.segments:
             self._fwd = None
-            return None
-        pos = torch.tensor(index, dtype=torch.long, device=planes[0].device)
-        return [p.index_select(0, pos) for p in planes]
+            return False
+        return True
+
+    def _shed_all(self, fwd: _Forward) -> None:
+        for seg in fwd.segments:
+            self._shed_one(seg.state)
+        self._fwd = None
+
+    def _shed_one(self, st: RequestState) -> None:
+        self._in_progress.pop(id(st), None)
+        st.drop("dropped: the host buffer was full (live capture)")
+        self.writer.drop(st)
+        self.writer.shed(st)
 
     def end_forward(self, graph_ran: bool = False) -> None:
         """After the forward was issued; graph_ran: it replayed a CUDA graph, so the hook did
@@ -175,6 +226,8 @@ class ExportRuntime:
             p.release()
         for st in complete:
             self.writer.submit(st, st.aborted)
+        if fwd.decode:  # its requests are generating, registered at their prefill; finish() ends them
+            return
         for seg in fwd.segments:
             if seg.state.planned or seg.state.dropped:
                 self._in_progress.pop(id(seg.state), None)
@@ -231,15 +284,15 @@ class ExportRuntime:
         """The forward raised: its rows never arrived, so the affected samples fail."""
         fwd, self._fwd = self._fwd, None
         if fwd is not None:
-            if fwd.ready is not None:
-                fwd.ready.synchronize()
-            for p in fwd.staged or []:
-                p.release()
+            # The copy into these rows may still be landing: a writer thread waits for it.
+            self.writer.release(fwd.staged or [], [fwd.ready] if fwd.ready is not None else [])
             for seg in fwd.segments:
                 self._drop(seg.state, "the forward pass failed; see the server log")
 
     def _sweep(self) -> None:
-        """Requests aborted mid chunked prefill: drop their rows, write nothing."""
+        """Requests aborted mid chunked prefill: drop their rows, write nothing. Checked after
+        extend forwards only: a request aborted while generating is finished (with an abort)
+        by SGLang, and `finish` drops it."""
         for key, st in list(self._in_progress.items()):
             if st.aborted():
                 del self._in_progress[key]

@@ -8,11 +8,16 @@ between the releases of the window is read through the adapters in releases.py, 
 testing a version here.
 
 `register()` is the plugin entry point (group `sglang.srt.plugins`): SGLang calls it in every
-process (launcher, HTTP/tokenizer process, each scheduler) before it builds anything.
-The hooks are pass-throughs unless `--export-hidden-states-dir` is set, except three that only
-turn an upstream crash on CPU into a working server: the MLA routing for torch_native
-(DeepSeek models), Qwen2-MoE's shared-expert gate, and gloo process groups without PyNccl
-(tensor parallelism in CPU mode).
+process (launcher, HTTP/tokenizer process, each scheduler) before it builds anything. Each seam
+says when it is registered (`Seam.when`), so a server started without our flag runs stock
+SGLang on every hot path:
+- LAUNCH: always; the two that add and check our flags in the launcher.
+- EXPORT: only in a server started with `--export-hidden-states-dir`. The launcher registers
+  them once `from_cli_args` has accepted the flag (its HTTP side runs there); the schedulers,
+  spawned later, inherit the resolved config (`ENV_CONFIG`) and register them at start.
+- CPU: only in CPU mode (`--device cpu`, told to the schedulers by `ENV_CPU`): the three that
+  turn an upstream crash on CPU into a working server (MLA routing for torch_native, Qwen2-MoE's
+  shared-expert gate, gloo process groups without PyNccl), export flag or not.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import uuid
 from typing import Callable, List, NamedTuple, Optional
 
 import torch
-from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
 
 from sglang_hs.format import check_compatible, read_export_json, repair_export, write_export_json
 from sglang_hs.layouts import default_aux_layer_ids
@@ -50,29 +55,50 @@ logger = logging.getLogger("sglang_hs")
 # and detokenizer processes inherit it, whatever way ServerArgs reaches them.
 ENV_CONFIG = "SGLANG_HS_EXPORT_CONFIG"
 ENV_PRESET = "SGLANG_HS_PLATFORM_PRESET"
+# Set by the launcher for a server in CPU mode: its schedulers register the CPU seams.
+ENV_CPU = "SGLANG_HS_CPU_MODE"
+
+LAUNCH, EXPORT, CPU = "launch", "export", "cpu"
 
 
 class Seam(NamedTuple):
     target: str
     hook_type: HookType
     fn: Callable
+    when: str  # LAUNCH, EXPORT or CPU (the module docstring)
 
 
 SEAMS: List[Seam] = []
 
 
-def seam(target: str, hook_type: HookType):
+def seam(target: str, hook_type: HookType, when: str = EXPORT):
     def deco(fn):
-        SEAMS.append(Seam(target, hook_type, fn))
+        SEAMS.append(Seam(target, hook_type, fn, when))
         return fn
 
     return deco
 
 
+def active(env) -> List[Seam]:
+    """The seams a process with this environment registers."""
+    on = {LAUNCH} | ({EXPORT} if env.get(ENV_CONFIG) else set()) | ({CPU} if env.get(ENV_CPU) else set())
+    return [s for s in SEAMS if s.when in on]
+
+
 def register() -> None:
-    """Plugin entry point: register every seam with SGLang's HookRegistry."""
-    for s in SEAMS:
-        HookRegistry.register(s.target, s.fn, s.hook_type)
+    """Plugin entry point: register the seams this process needs with SGLang's HookRegistry
+    (SGLang applies them once every plugin has registered)."""
+    _register(active(os.environ))
+
+
+def _register(seams: List[Seam]) -> None:
+    for s in seams:
+        HookRegistry.register(s.target, s.fn, s.hook_type, source=_SOURCE)
+
+
+# What HookRegistry's log lines name as the hooks' origin (our entry point and distribution),
+# also for the seams the launcher registers after plugin loading.
+_SOURCE = HookSource(plugin_name="sglang_hs", dist_name="sglang-hs")
 
 
 def config() -> Optional[ExportConfig]:
@@ -97,7 +123,7 @@ def _parse_config(raw: str) -> ExportConfig:
 _parser_defaults: dict = {}
 
 
-@seam("sglang.srt.server_args.ServerArgs.add_cli_args", HookType.AFTER)
+@seam("sglang.srt.server_args.ServerArgs.add_cli_args", HookType.AFTER, LAUNCH)
 def add_cli_args(result, parser):
     """Target: ServerArgs.add_cli_args (staticmethod building the launcher's argparse parser).
 
@@ -160,7 +186,7 @@ def add_cli_args(result, parser):
                         "has not compared with Hugging Face (see the README's family table).")
 
 
-@seam("sglang.srt.server_args.ServerArgs.from_cli_args", HookType.AROUND)
+@seam("sglang.srt.server_args.ServerArgs.from_cli_args", HookType.AROUND, LAUNCH)
 def from_cli_args(original, cls, args):
     """Target: ServerArgs.from_cli_args (classmethod, argparse Namespace -> ServerArgs).
 
@@ -173,6 +199,10 @@ def from_cli_args(original, cls, args):
     else:  # not one inherited from another launch: export.json names only this launch's preset
         os.environ.pop(ENV_PRESET, None)
     server_args = original(cls, args)
+    if releases.resolved(server_args).device == "cpu":
+        os.environ[ENV_CPU] = "1"
+    else:
+        os.environ.pop(ENV_CPU, None)
     out_dir = getattr(args, "export_hidden_states_dir", None)
     if out_dir is None:
         os.environ.pop(ENV_CONFIG, None)
@@ -182,6 +212,9 @@ def from_cli_args(original, cls, args):
     except ExportConfigError as e:
         raise SystemExit(f"sglang-hs: error: {e}") from None
     os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(cfg))
+    # This process serves HTTP: its export seams go on now (the schedulers register theirs at start).
+    _register([s for s in SEAMS if s.when == EXPORT])
+    HookRegistry.apply_hooks()  # skips the targets already patched
     logger.info("sglang-hs: exporting hidden states to %s (aux layers %s)", cfg.out_dir,
                 list(cfg.aux_layer_ids) if cfg.aux_layer_ids else "model default")
     return server_args
@@ -295,6 +328,7 @@ def _check_sink_imports(sink: str) -> None:
 # --------------------------------------------------------------------------------------
 
 _runtime = None  # sglang_hs.overlay.runtime.ExportRuntime in a scheduler process with export on
+_checked = None  # runtime.sync_check() once the runtime exists: where the runtime's calls run
 
 
 @seam("sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends", HookType.AFTER)
@@ -308,12 +342,12 @@ def init_attention_backends(result, self):
     carry the aux outputs. Upstream PR: a "capture aux hidden states" server option that
     calls set_eagle3_layers_to_capture without a draft model. Remove with it.
     """
-    global _runtime
+    global _runtime, _checked
     cfg = config()
     if cfg is None or self.is_draft_worker:
         return
     from sglang_hs.overlay.aux_layers import set_aux_layers
-    from sglang_hs.overlay.runtime import ExportRuntime
+    from sglang_hs.overlay.runtime import ExportRuntime, sync_check
 
     model = self.model
     arch = type(model).__name__
@@ -327,6 +361,7 @@ def init_attention_backends(result, self):
     writer = None
     if is_writer_rank(ranks.attn_tp_rank, ranks.attn_cp_rank, ranks.pp_rank == ranks.pp_size - 1):
         writer = _make_writer(cfg, self, arch, num_layers, ids, ranks.writer_shard)
+    _checked = sync_check()
     _runtime = ExportRuntime(ids, writer, rank=f"dp{ranks.attn_dp_rank}-tp{ranks.attn_tp_rank}")
     logger.info("sglang-hs: aux capture on %s layers %s (HF convention; %s reads %s), writer rank: %s",
                 arch, list(ids), aux.path, "+".join(sorted(aux.reads)), writer is not None)
@@ -498,7 +533,10 @@ def compute_max_prefix_len(result, self, input_len):
     if _runtime is None:
         return None
     st = _state_of(self)
-    return None if st is None else _runtime.prefix_cap(st, result)
+    if st is None:
+        return None
+    with _checked:
+        return _runtime.prefix_cap(st, result)
 
 
 @seam("sglang.srt.managers.schedule_batch.Req.update_finish_state", HookType.AFTER)
@@ -516,7 +554,8 @@ def update_finish_state(result, self, *args, **kwargs):
     if st is not None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        _runtime.finish(st, self.output_ids, isinstance(self.finished_reason, FINISH_ABORT))
+        with _checked:
+            _runtime.finish(st, self.output_ids, isinstance(self.finished_reason, FINISH_ABORT))
     return None
 
 
@@ -533,12 +572,13 @@ def forward_batch_generation(original, self, batch=None, *args, **kwargs):
     if rt is None or batch is None:
         return original(self, batch, *args, **kwargs)
     mode = batch.forward_mode
-    if mode.is_extend():
-        planned = rt.begin_forward([_state_of(r) for r in batch.reqs], batch.prefix_lens, batch.extend_lens)
-    elif mode.is_decode():
-        planned = rt.begin_decode([_state_of(r) for r in batch.reqs], batch.seq_lens_cpu.tolist())
-    else:
-        planned = False
+    with _checked:
+        if mode.is_extend():
+            planned = rt.begin_forward([_state_of(r) for r in batch.reqs], batch.prefix_lens, batch.extend_lens)
+        elif mode.is_decode():
+            planned = rt.begin_decode([_state_of(r) for r in batch.reqs], batch.seq_lens_cpu.tolist())
+        else:
+            planned = False
     if not planned:
         return original(self, batch, *args, **kwargs)
     try:
@@ -546,7 +586,8 @@ def forward_batch_generation(original, self, batch=None, *args, **kwargs):
     except BaseException:
         rt.abort_forward()
         raise
-    rt.end_forward(graph_ran=bool(getattr(out, "can_run_cuda_graph", False)))
+    with _checked:
+        rt.end_forward(graph_ran=bool(getattr(out, "can_run_cuda_graph", False)))
     return out
 
 
@@ -565,7 +606,8 @@ def logits_forward(original, self, input_ids, hidden_states, lm_head, logits_met
     rt = _runtime
     if rt is not None:
         if not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
-            rt.stage(hidden_states, aux_hidden_states)
+            with _checked:
+                rt.stage(hidden_states, aux_hidden_states)
         elif logits_metadata.forward_mode.is_decode():
             rt.capture_decode_graph(hidden_states, aux_hidden_states)
     return original(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states,
@@ -573,7 +615,7 @@ def logits_forward(original, self, input_ids, hidden_states, lm_head, logits_met
 
 
 @seam("sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler",
-      HookType.AFTER)
+      HookType.AFTER, CPU)
 def mla_attention_routing(result, cls, backend_name):
     """Target: AttentionBackendRegistry.get_handler (DeepSeek-family MLA models: picks, per
     attention backend, whether a forward takes the MHA or the MLA path).
@@ -596,7 +638,7 @@ def _always_mla(attn, forward_batch):
     return AttnForwardMethod.MLA
 
 
-@seam("sglang.srt.distributed.parallel_state.GroupCoordinator.__init__", HookType.BEFORE)
+@seam("sglang.srt.distributed.parallel_state.GroupCoordinator.__init__", HookType.BEFORE, CPU)
 def gloo_groups_without_pynccl(self, *args, **kwargs):
     """Target: GroupCoordinator.__init__ (one process group: its torch.distributed backend
     and whether it builds a PyNccl communicator).
@@ -622,7 +664,7 @@ def gloo_groups_without_pynccl(self, *args, **kwargs):
     return (self, *args), kwargs
 
 
-@seam("sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add", HookType.AROUND)
+@seam("sglang.srt.models.qwen2_moe.fused_gate_sigmoid_mul_add", HookType.AROUND, CPU)
 def qwen2_moe_shared_expert_gate(original, hidden_states, gate_weight, shared_output, final_hidden_states):
     """Target: qwen2_moe.fused_gate_sigmoid_mul_add (Qwen2-MoE's shared-expert gate, a
     triton kernel: final += sigmoid(hidden @ w) * shared, computed in fp32).

@@ -147,9 +147,8 @@ class SlabPool:
         """Host rows for n exported rows, in slabs: each holds r rows as (scales first, when
         `scaled`, so every view is aligned) aux [r, K, H] then final [r, H], contiguous."""
         k = num_aux
-        es = torch.empty((), dtype=dtype).element_size()
-        scale_bytes = (k + 1) * 4 if scaled else 0
-        row_bytes = (k + 1) * hidden * es + scale_bytes
+        es = dtype.itemsize
+        row_bytes = self.row_bytes(num_aux, hidden, dtype, scaled)
         if self.slab_bytes // row_bytes < 1:
             raise RuntimeError(f"sglang-hs: one row ({row_bytes} bytes) exceeds a slab")
         pieces, a = [], 0
@@ -180,6 +179,12 @@ class SlabPool:
             pieces.append(Piece(aux, fin, slab, a_s, f_s))
             a += r
         return pieces
+
+    @staticmethod
+    def row_bytes(num_aux: int, hidden: int, dtype: torch.dtype, scaled: bool = False) -> int:
+        """Host bytes one exported row takes: K aux planes and the final one, and (fp8) a
+        float32 scale per plane."""
+        return (num_aux + 1) * (hidden * dtype.itemsize + (4 if scaled else 0))
 
     def room(self, row_bytes: int) -> int:
         """Rows of row_bytes that `pieces` can place now without waiting or overflowing."""

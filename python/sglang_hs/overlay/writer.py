@@ -8,16 +8,23 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from sglang_hs.format import Storage
 from sglang_hs.overlay.rows import RequestState
-from sglang_hs.overlay.staging import SlabPool
+from sglang_hs.overlay.staging import Piece, SlabPool
 from sglang_hs.protocol import ExportError, Outcome
 
 logger = logging.getLogger("sglang_hs.overlay.writer")
 
 Notify = Callable[[Outcome], None]
+
+
+class _Release(NamedTuple):
+    """A writer job: rows to give back once their copies have landed."""
+
+    pieces: List[Piece]
+    ready: List[Any]
 
 
 class SampleWriter:
@@ -38,7 +45,8 @@ class SampleWriter:
         self._durable_s: "collections.deque[Tuple[float, float]]" = collections.deque(maxlen=4096)
         self._lock = threading.Lock()
         self._last_shed_log = float("-inf")
-        self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._q: "queue.Queue[Optional[Union[tuple, _Release]]]" = queue.Queue()
+        self._samples_queued = 0
         self._threads = [
             threading.Thread(target=self._run, name=f"sglang-hs-writer-{i}", daemon=True)
             for i in range(max(1, threads))
@@ -48,19 +56,40 @@ class SampleWriter:
 
     def submit(self, st: RequestState, aborted: Callable[[], bool]) -> None:
         self.pool.enqueue()
+        with self._lock:
+            self._samples_queued += 1
         self._q.put((st, aborted, time.perf_counter()))
 
     def drop(self, st: RequestState) -> None:
-        """Forget a request's rows (aborted or failed mid-prefill); nothing is written."""
-        for ev in st.ready:  # the copy engine may still be writing into these rows
-            ev.synchronize()
-        st.release()
+        """Forget a request's rows (aborted, failed or shed); nothing is written."""
+        self.release(*st.take_rows())
+
+    def release(self, pieces: List[Piece], ready: List[Any]) -> None:
+        """Give host rows back once the device->host copies into them (`ready`: their CUDA
+        events) have landed. A writer thread waits for that, never the forward loop: the
+        scheduler thread calls this on aborts, failures and live capture's shedding."""
+        if not ready:  # nothing in flight (CPU: copies are synchronous)
+            for p in pieces:
+                p.release()
+        elif pieces:
+            self.pool.enqueue()  # rows on their way back: back-pressure may wait for them
+            self._q.put(_Release(pieces, ready))
 
     def _run(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
+            if isinstance(job, _Release):
+                try:
+                    for ev in job.ready:
+                        ev.synchronize()
+                finally:
+                    for p in job.pieces:
+                        p.release()
+                    self.pool.dequeue()
+                    self._q.task_done()
+                continue
             st, aborted, submitted = job
             try:
                 self._write(st, aborted, submitted)
@@ -69,6 +98,8 @@ class SampleWriter:
                 self.notify(st.outcome(status=500, error=f"internal error writing sample {st.rid}: {e!r}"))
             finally:
                 st.release()
+                with self._lock:
+                    self._samples_queued -= 1
                 self.pool.dequeue()
                 self._q.task_done()
 
@@ -148,7 +179,7 @@ class SampleWriter:
     @property
     def queued(self) -> int:
         """Samples submitted and not yet written or failed."""
-        return self._q.unfinished_tasks
+        return self._samples_queued
 
     def flush(self) -> None:
         self._q.join()
@@ -157,7 +188,7 @@ class SampleWriter:
         """Write what is queued (waiting at most timeout_s), stop the threads, close the
         manifest; return how many queued samples were left unwritten."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.queued and (deadline is None or time.monotonic() < deadline):
+        while self._q.unfinished_tasks and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.02)
         left = self.queued
         for _ in self._threads:

@@ -77,6 +77,13 @@ def serve_cpu(args: Sequence[str]) -> None:
     os.execve(argv[0], argv, cpu_env(ranks=ranks_of(args)))
 
 
+_ATTEMPT_MARK = "=== sglang-hs LocalServer: start "
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,35 +104,78 @@ class LocalServer:
     cpu=True runs it the way `sglang-hs serve-cpu` does; otherwise the stock launcher as is.
     """
 
+    # Starts after one that died because a port it was given was taken meanwhile (another
+    # server, started at the same moment, bound it first).
+    PORT_RETRIES = 2
+
     def __init__(self, args: Sequence[str], log_path: str, cpu: bool = True, timeout_s: float = 600,
                  port: Optional[int] = None):
+        self._fixed_port = port
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [*args, "--port", str(self.port), "--host", "127.0.0.1"]
-        self.argv: List[str] = cpu_server_argv(args) if cpu else [sys.executable, "-m", "sglang.launch_server", *args]
+        self._args = [*args]
+        # Every TCP port a single-node SGLang binds is chosen here: the HTTP port and the
+        # torch.distributed rendezvous (--nccl-port, which SGLang otherwise picks on its own and
+        # does not hold until its scheduler binds it), unless the caller gave one.
+        self.nccl_port = None if _has_flag(args, "--nccl-port") else free_port()
+        self.cpu = cpu
         self.env = cpu_env(ranks=ranks_of(args)) if cpu else dict(os.environ, PYTHONUNBUFFERED="1")
         self.log_path = log_path
         self.timeout_s = timeout_s
         self.proc: Optional[subprocess.Popen] = None
         self.startup_s = 0.0
+        self.attempts = 0  # starts made (more than one: a port was taken, see PORT_RETRIES)
+
+    @property
+    def argv(self) -> List[str]:
+        args = [*self._args, "--port", str(self.port), "--host", "127.0.0.1"]
+        if self.nccl_port is not None:
+            args += ["--nccl-port", str(self.nccl_port)]
+        return cpu_server_argv(args) if self.cpu else [sys.executable, "-m", "sglang.launch_server", *args]
 
     def __enter__(self) -> "LocalServer":
         t0 = time.time()
-        self._log = open(self.log_path, "w")
+        while True:
+            self.attempts += 1
+            try:
+                self._start(t0)
+                return self
+            except RuntimeError:
+                if self.attempts > self.PORT_RETRIES or not self._lost_a_port():
+                    raise
+            # Fresh ports for the ones chosen here; a port the caller fixed stays.
+            self.port = self._fixed_port or free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            if self.nccl_port is not None:
+                self.nccl_port = free_port()
+
+    def _start(self, t0: float) -> None:
+        self._log = open(self.log_path, "a" if self.attempts > 1 else "w")
+        self._log.write(f"{_ATTEMPT_MARK}{self.attempts}: port {self.port}, nccl port {self.nccl_port} ===\n")
+        self._log.flush()
         self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
         while time.time() - t0 < self.timeout_s:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     self.startup_s = time.time() - t0
-                    return self
+                    return
             except requests.RequestException:
                 pass
             time.sleep(1)
         self.__exit__(None, None, None)
         raise TimeoutError(f"server not healthy after {self.timeout_s} s; log:\n{self.log_tail()}")
+
+    def _lost_a_port(self) -> bool:
+        """The start that just ended died because a port it bound was taken."""
+        with open(self.log_path, errors="replace") as f:
+            text = f.read()
+        at = text.rfind(_ATTEMPT_MARK)
+        text = text[at:] if at >= 0 else text
+        return "EADDRINUSE" in text or "Address already in use" in text or "address already in use" in text
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
