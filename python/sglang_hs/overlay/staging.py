@@ -7,7 +7,6 @@ pieces that point into slabs, and a slab goes back to the pool when no piece use
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import List, Optional
@@ -15,21 +14,65 @@ from typing import List, Optional
 import torch
 
 
-@dataclasses.dataclass
 class Piece:
     """Consecutive rows of one request in host memory: aux [r, K, H] and final [r, H], both
     contiguous (so they stream to the file without a copy), their fp8 scales [r, K] and [r]
-    when stored as fp8, and the slab that holds them."""
+    when stored as fp8, and the slab that holds them.
 
-    aux: torch.Tensor
-    final: torch.Tensor
-    slab: Optional["Slab"] = None  # reference-counted
-    aux_scale: Optional[torch.Tensor] = None
-    final_scale: Optional[torch.Tensor] = None
+    A piece cut from another (`split`, `head`) is rows [at, at + r) of that one and makes its
+    tensor views when they are first read: a decode step hands each request of its batch one
+    row, and the scheduler thread then makes no tensor object per request (the writer thread
+    makes them, when it writes the sample)."""
+
+    __slots__ = ("_aux", "_final", "_aux_scale", "_final_scale", "slab", "_of", "_at", "_rows")
+
+    def __init__(self, aux: torch.Tensor, final: torch.Tensor, slab: Optional["Slab"] = None,
+                 aux_scale: Optional[torch.Tensor] = None, final_scale: Optional[torch.Tensor] = None):
+        self._aux, self._final, self._aux_scale, self._final_scale = aux, final, aux_scale, final_scale
+        self.slab = slab  # reference-counted
+        self._of, self._at, self._rows = None, 0, aux.shape[0]
+
+    @classmethod
+    def _cut(cls, of: "Piece", at: int, rows: int, slab: Optional["Slab"]) -> "Piece":
+        p = cls.__new__(cls)
+        p._aux = p._final = p._aux_scale = p._final_scale = None
+        p.slab, p._of, p._at, p._rows = slab, of, at, rows
+        return p
+
+    def _view(self) -> None:
+        of, a, b = self._of, self._at, self._at + self._rows
+        self._aux, self._final = of.aux[a:b], of.final[a:b]
+        if of.aux_scale is not None:
+            self._aux_scale, self._final_scale = of.aux_scale[a:b], of.final_scale[a:b]
+        self._of = None
+
+    @property
+    def aux(self) -> torch.Tensor:
+        if self._of is not None:
+            self._view()
+        return self._aux
+
+    @property
+    def final(self) -> torch.Tensor:
+        if self._of is not None:
+            self._view()
+        return self._final
+
+    @property
+    def aux_scale(self) -> Optional[torch.Tensor]:
+        if self._of is not None:
+            self._view()
+        return self._aux_scale
+
+    @property
+    def final_scale(self) -> Optional[torch.Tensor]:
+        if self._of is not None:
+            self._view()
+        return self._final_scale
 
     @property
     def rows(self) -> int:
-        return self.aux.shape[0]
+        return self._rows
 
     def planes(self) -> List[torch.Tensor]:
         """What the device copy fills, in the order `storage_planes` returns it."""
@@ -39,20 +82,18 @@ class Piece:
         """Rows [0, n) in the same slab, taking over this piece's slab reference."""
         if n >= self.rows:
             return self
-        cut = lambda x: None if x is None else x[:n]  # noqa: E731
-        return Piece(self.aux[:n], self.final[:n], self.slab, cut(self.aux_scale), cut(self.final_scale))
+        return Piece._cut(self, 0, n, self.slab)
 
     def split(self, sizes: List[int]) -> List["Piece"]:
         """Consecutive runs of rows from the first, `sizes` long, in the same slab, each with
-        its own slab reference. One call per plane makes all the views: a decode step hands
-        each request of its batch one row, and a Python slice per row made handing out a
-        batch of 64 take 0.32 ms instead of 0.25 (benchmark/bench_decode_hooks.py, dev CPU)."""
-        n = sum(sizes)
-        cuts = [x[:n].split(sizes) if x is not None else [None] * len(sizes)
-                for x in (self.aux, self.final, self.aux_scale, self.final_scale)]
+        its own slab reference and no tensor view until one is read."""
         if self.slab is not None:
             self.slab.ref(len(sizes))
-        return [Piece(a, f, self.slab, sa, sf) for a, f, sa, sf in zip(*cuts)]
+        out, at = [], 0
+        for n in sizes:
+            out.append(Piece._cut(self, at, n, self.slab))
+            at += n
+        return out
 
     def release(self) -> None:
         if self.slab is not None:
