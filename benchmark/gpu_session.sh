@@ -63,7 +63,7 @@ for step in "$@"; do
              --out $OUT/gpu_decode_hooks_256.json 2>&1 | tee -a "$OUT/bench_decode_hooks.txt" ;;
     plugin-off) $T python3 benchmark/bench_plugin_off.py --rounds ${ROUNDS:-5} --out $OUT/gpu_plugin_off.json \
              --work $SGLANG_HS_LOGS 2>&1 | tee "$OUT/bench_plugin_off.txt" ;;
-    mla) SGLANG_HS_GPU_RESULTS=$OUT/gpu_mla_decode.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_mla_decode_gpu.py \
+    mla) SGLANG_HS_GPU_RESULTS=$OUT/gpu_mla_decode.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_mla_decode_gpu.py ${MLA_K:+-k $MLA_K} \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_mla_decode.txt" ;;
     live) $T python3 benchmark/bench_live.py --rounds ${ROUNDS:-5} --requests ${LIVE_REQUESTS:-128} --out $OUT/gpu_live.json --work $SGLANG_HS_LOGS \
              2>&1 | tee "$OUT/bench_live.txt" ;;

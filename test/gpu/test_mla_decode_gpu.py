@@ -95,7 +95,10 @@ def test_mla_decode_rows_differ_from_hf_as_the_runtime_decode_does(variant, tmp_
             assert r.status_code == 200, r.text
     fp32, bf16 = load_hf(path, torch.float32, "cuda"), load_hf(path, torch.bfloat16, "cuda")
     names = [f"aux[{k}]" for k in AUX] + ["final"]
-    acc, per_row = {}, {n: {"decode_vs_fp32_over_hf_bf16": [], "decode_vs_prefill_rel": []} for n in names}
+    acc = {}
+    per_row = {n: {k: [] for k in ("decode_vs_fp32_over_hf_bf16", "decode_vs_prefill_rel", "prompt_vs_fp32_over_hf_bf16",
+                                   "decode_err", "decode_hf_bf16_err", "prompt_err", "prompt_hf_bf16_err")}
+               for n in names}
     decode_rows = 0
     for i, p in enumerate(ps):
         t, d = rows_of(out, f"dec-{i}")
@@ -112,10 +115,13 @@ def test_mla_decode_rows_differ_from_hf_as_the_runtime_decode_does(variant, tmp_
             pooled(acc, f"{n} hf bf16 vs fp32", h16[gen, j], ref[gen, j])
             pooled(acc, f"{n} prompt rows vs fp32", d[prompt, j], ref[prompt, j])
             pooled(acc, f"{n} prompt rows hf bf16 vs fp32", h16[prompt, j], ref[prompt, j])
-            rn = ref[gen, j].norm(dim=-1)
-            e_dec = (d[gen, j] - ref[gen, j]).norm(dim=-1) / rn
-            e_bf = ((h16[gen, j] - ref[gen, j]).norm(dim=-1) / rn).clamp_min(1e-6)
-            per_row[n]["decode_vs_fp32_over_hf_bf16"] += (e_dec / e_bf).tolist()
+            for part, at in (("decode", gen), ("prompt", prompt)):
+                rn = ref[at, j].norm(dim=-1)
+                e = (d[at, j] - ref[at, j]).norm(dim=-1) / rn
+                e_bf = ((h16[at, j] - ref[at, j]).norm(dim=-1) / rn).clamp_min(1e-6)
+                per_row[n][f"{part}_vs_fp32_over_hf_bf16"] += (e / e_bf).tolist()
+                per_row[n][f"{part}_err"] += e.tolist()
+                per_row[n][f"{part}_hf_bf16_err"] += e_bf.tolist()
             per_row[n]["decode_vs_prefill_rel"] += ((d[gen, j] - pre[gen, j]).norm(dim=-1)
                                                      / pre[gen, j].norm(dim=-1)).tolist()
     rel = {k: (a[0] / a[1]) ** 0.5 for k, a in acc.items()}
@@ -125,6 +131,10 @@ def test_mla_decode_rows_differ_from_hf_as_the_runtime_decode_does(variant, tmp_
                  "prefill_ratio": rel[f"{n} prefill vs fp32"] / rel[f"{n} hf bf16 vs fp32"],
                  "prompt_rows_ratio": rel[f"{n} prompt rows vs fp32"] / rel[f"{n} prompt rows hf bf16 vs fp32"],
                  "per_row_decode_ratio": quantiles(per_row[n]["decode_vs_fp32_over_hf_bf16"]),
+                 "per_row_prompt_ratio": quantiles(per_row[n]["prompt_vs_fp32_over_hf_bf16"]),
+                 # worst row's error over HF bf16's worst row error, decode rows and prompt rows
+                 "worst_row_decode_ratio": max(per_row[n]["decode_err"]) / max(per_row[n]["decode_hf_bf16_err"]),
+                 "worst_row_prompt_ratio": max(per_row[n]["prompt_err"]) / max(per_row[n]["prompt_hf_bf16_err"]),
                  "per_row_decode_vs_prefill": quantiles(per_row[n]["decode_vs_prefill_rel"])} for n in names}
     rep = verify_export(out, samples=None, device="cuda")
     print(variant, json.dumps(table, indent=1), "\n" + rep.table())

@@ -91,6 +91,18 @@ def test_decode_rows_hold_prompt_and_answer_against_hf_and_the_prefill_export(de
         assert r["decode_vs_prefill"] <= 2 * bound, (name, r)
     rep = validate_export(srv.export_dir, expected_tokens={"dec": tokens, "pre": tokens})
     assert rep.ok, rep.errors
+    # verify judges the generated positions apart, and finds "pre" as the prefill twin of "dec":
+    # the decode-vs-prefill difference it measures is the one computed here.
+    v = verify_export(srv.export_dir, samples=None)
+    print(v.table())
+    decode = {p.name.split(" ")[0]: p for p in v.planes if p.decode}
+    assert sorted(decode) == sorted(report), v.table()
+    for j, name in enumerate(report):
+        d = t["final_hidden_states"] if name == "final" else t["aux_hidden_states"][:, j]
+        q = p["final_hidden_states"][:n] if name == "final" else p["aux_hidden_states"][:n, j]
+        gap = float((d[gen].float() - q[gen].float()).norm() / ref[gen, j].norm())
+        assert decode[name].rel_gap_prefill == pytest.approx(gap, rel=1e-3, abs=1e-7), (name, v.table())
+    assert v.ok, v.table()
 
 
 def test_concurrent_decode_rows_with_shared_prefixes_and_prompt_only_neighbours(decode_server):

@@ -11,7 +11,7 @@ import collections
 import dataclasses
 import hashlib
 import time
-from typing import List, Optional, Sequence, Set
+from typing import Container, List, Optional, Sequence, Set
 
 from sglang_hs.format import check_sample_id
 from sglang_hs.protocol import (
@@ -99,7 +99,7 @@ def sampled(rid: str, rate: float) -> bool:
 
 
 def admit(rids: Sequence[str], sampling_params: List[dict], parallel_sample_num: int,
-          has_input_embeds: bool, exported: Set[str], call_id: str,
+          has_input_embeds: bool, exported: Container[str], call_id: str,
           skip_prefix: Optional[str] = None, need_loss_mask: bool = False, sink: str = "directory",
           in_flight: Set[str] = frozenset(), policy: Policy = Policy()) -> Admission:
     """Validate one normalised /generate call and tag each exported entry with `call_id`.
@@ -165,7 +165,7 @@ def admit(rids: Sequence[str], sampling_params: List[dict], parallel_sample_num:
     return Admission(call_id, [rids[i] for i in keep])
 
 
-def _check_entry(rid: str, opts, has_input_embeds: bool, exported: Set[str], in_flight: Set[str],
+def _check_entry(rid: str, opts, has_input_embeds: bool, exported: Container[str], in_flight: Set[str],
                  need_loss_mask: bool, sink: str) -> None:
     if has_input_embeds:
         raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
@@ -179,12 +179,13 @@ def _check_entry(rid: str, opts, has_input_embeds: bool, exported: Set[str], in_
             "positions (--export-final-rows loss): send custom_params "
             f'{{"{REQUEST_KEY}": {{"loss_mask": [0/1 per prompt token]}}}} (sglang-hs capture does), '
             "or use a server started with --export-final-rows all")
-    if rid in exported:
-        raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
-                                   "(exported samples are never overwritten)")
+    # In flight first: a writer claims its rid in the index (`exported`) before it has written.
     if rid in in_flight:
         raise SampleInFlightError(f"sample id {rid!r} is being exported by a request in flight; "
                                   "retry after it finishes")
+    if rid in exported:
+        raise DuplicateSampleError(f"sample id {rid!r} is already exported; send a new rid "
+                                   "(exported samples are never overwritten)")
 
 
 def _tag(sp: dict, **fields) -> None:

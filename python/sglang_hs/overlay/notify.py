@@ -17,7 +17,7 @@ from typing import Dict, Iterable, Optional, Set, Tuple
 import zmq
 import zmq.asyncio
 
-from sglang_hs.format import read_manifest
+from sglang_hs.overlay.ids import IdIndex
 from sglang_hs.protocol import ExportError, Outcome
 
 logger = logging.getLogger("sglang_hs.overlay.notify")
@@ -43,8 +43,8 @@ class Notifier:
 
 
 class ExportWaiter:
-    """HTTP side: one PULL socket, outcomes by (rid, call id), the rids in flight and the ids
-    already exported.
+    """HTTP side: one PULL socket, outcomes by (rid, call id), the rids in flight and (on disk)
+    the ids already exported.
 
     Each /generate call carries its own call id to the schedulers, so the outcome of an
     earlier request with the same rid (say, aborted when its client died, reported after
@@ -55,7 +55,7 @@ class ExportWaiter:
 
     def __init__(self, addr: str, out_dir: str, timeout_s: float):
         self.timeout_s = timeout_s
-        self.exported: Set[str] = {e["id"] for e in read_manifest(out_dir)}
+        self.exported = IdIndex(out_dir)  # the done ids, on disk: memory stays flat (overlay/ids.py)
         self.in_flight: Set[str] = set()
         self._results: "collections.OrderedDict[Key, Outcome]" = collections.OrderedDict()
         self._abandoned: "collections.OrderedDict[Key, None]" = collections.OrderedDict()
@@ -79,8 +79,11 @@ class ExportWaiter:
 
     def deliver(self, outcome: Outcome) -> None:
         key = (outcome.rid, outcome.call_id)
-        if outcome.ok:
-            self.exported.add(outcome.rid)
+        if outcome.ok:  # the directory's writer claimed it already; a trainer's sink did not
+            try:
+                self.exported.add(outcome.rid)
+            except Exception:  # noqa: BLE001 - a full disk must not keep the outcome from its request
+                logger.exception("sglang-hs: could not record exported id %s in the id index", outcome.rid)
         if key in self._live:
             self._live.discard(key)
             self.in_flight.discard(outcome.rid)

@@ -36,6 +36,7 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
 
 from sglang_hs.format import check_compatible, read_export_json, repair_export, write_export_json
 from sglang_hs.layouts import default_aux_layer_ids
+from sglang_hs.overlay.ids import IdIndex
 from sglang_hs.overlay import releases
 from sglang_hs.overlay.config import (
     SINKS,
@@ -289,6 +290,7 @@ def _check_startup(server_args, args) -> ExportConfig:
     repaired = repair_export(out_dir, apply=True)
     for line in repaired.lines() if repaired.changed else []:
         logger.warning("sglang-hs: repaired %s at start-up: %s", out_dir, line)
+    IdIndex.recreate(out_dir).close()  # the done ids, from the repaired manifest
     return ExportConfig(
         out_dir=out_dir,
         aux_layer_ids=ids,

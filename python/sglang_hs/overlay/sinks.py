@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
+import sqlite3
 import threading
 import time
 from typing import Dict, Optional, Sequence, Tuple
@@ -37,14 +39,16 @@ from sglang_hs.format import (
     append_manifest,
     open_manifest,
     quantize_rows,
-    read_manifest,
     shard_dir_name,
     write_sample_file,
 )
 from sglang_hs.layouts import SPECULATORS_LAST_LAYER, specforge_online, speculators_fp8_planes, speculators_planes
 from sglang_hs.overlay.config import MooncakeSettings
+from sglang_hs.overlay.ids import IdIndex
 from sglang_hs.overlay.rows import RequestState, build_sample
 from sglang_hs.protocol import DuplicateSampleError, ExportError
+
+logger = logging.getLogger("sglang_hs.overlay.sinks")
 
 HANDOFF_DIR = "handoff"
 # speculators reads and deletes a handoff file inside the call that got its answer; one this
@@ -77,7 +81,8 @@ class DirectorySink:
         self.storage = storage
         self._lock = threading.Lock()
         self._manifest_lock = threading.Lock()
-        self._ids = {e["id"] for e in read_manifest(out_dir)}
+        self._done = IdIndex(out_dir)  # the directory's samples, on disk
+        self._writing = set()  # ids being written by this writer (in flight: bounded)
         self._shard, self._in_shard = self._find_shard()
         self._manifest_fd = open_manifest(out_dir)
 
@@ -90,13 +95,13 @@ class DirectorySink:
 
     def _claim_path(self, sid: str) -> str:
         with self._lock:
-            if sid in self._ids:
+            if sid in self._writing or sid in self._done:
                 raise DuplicateSampleError(
                     f"sample id {sid!r} is already exported in {self.out_dir}; send a new rid"
                 )
+            self._writing.add(sid)
             if self._in_shard >= FILES_PER_SHARD:
                 self._shard, self._in_shard = self._shard + 1, 0
-            self._ids.add(sid)
             self._in_shard += 1
             rel = os.path.join(shard_dir_name(self.tag, self._shard), f"{sid}.safetensors")
         os.makedirs(os.path.join(self.out_dir, os.path.dirname(rel)), exist_ok=True)
@@ -104,7 +109,7 @@ class DirectorySink:
 
     def _unclaim(self, sid: str) -> None:
         with self._lock:
-            self._ids.discard(sid)
+            self._writing.discard(sid)
             self._in_shard -= 1
 
     def put(self, st: RequestState) -> Placed:
@@ -131,10 +136,17 @@ class DirectorySink:
         except BaseException:
             self._unclaim(st.rid)
             raise
+        with self._lock:
+            self._writing.discard(st.rid)
+            try:
+                self._done.add(st.rid)
+            except sqlite3.Error as e:  # the sample is listed: the index catches up at the next start
+                logger.warning("sglang-hs: could not add %s to the id index (%s); it is in the manifest", st.rid, e)
         return Placed(bytes=size, path=rel)
 
     def close(self) -> None:
         os.close(self._manifest_fd)
+        self._done.close()
 
 
 class HandoffSink:

@@ -35,14 +35,14 @@ MAX_ERROR_RATIO = 2.0
 # no further than HF's own bf16 forward does (1 - cos grows as the error squared, hence the
 # ratio squared): a random MoE in bf16 flips routing choices, and HF bf16 drops below 0.999 too.
 MIN_MEAN_COSINE = 0.999
-# Decode rows (samples with decode rows: the generated positions) come from the runtime's
+# Decode rows (the generated positions of samples with decode rows) come from the runtime's
 # decode forward, whose kernels differ from its prefill's (MLA's absorbed decode attention,
-# split-KV reductions), so they are judged on their own ("decode" planes). When the export
-# holds a prefill twin of a decode sample (a prompt-only sample of the same final tokens,
-# from the same server), the runtime's own decode-vs-prefill difference is measured there
-# and allowed on top of HF bf16's; otherwise up to this multiple of HF bf16's error, what
-# the runtime's decode was measured to cost (docs/performance.md, "MLA decode rows").
-DECODE_MAX_ERROR_RATIO = 8.0
+# split-KV reductions), so they are reported and judged on their own ("decode" planes), by the
+# same rule. Measured on an H100 (SGLang 0.5.17, DeepSeek V3 MLA geometry, decode graphs):
+# decode rows are as close to HF fp32 as prompt rows (benchmark/results/gpu_mla_decode_h100.json).
+# When the export holds a prefill twin of a decode sample (a prompt-only sample of the same
+# final tokens, from the same server), the runtime's own decode-vs-prefill difference is
+# measured there and allowed on top.
 
 
 @dataclasses.dataclass
@@ -62,14 +62,8 @@ class PlaneStats:
 
     @property
     def ok(self) -> bool:
-        base = self.rel_err_hf_bf16 + self.rel_err_storage
-        if not self.decode:
-            ratio, extra = MAX_ERROR_RATIO, 0.0
-        elif self.rel_gap_prefill is not None:
-            ratio, extra = MAX_ERROR_RATIO, self.rel_gap_prefill
-        else:
-            ratio, extra = DECODE_MAX_ERROR_RATIO, 0.0
-        allowed = ratio * base + extra + 1e-6
+        ratio, extra = MAX_ERROR_RATIO, self.rel_gap_prefill or 0.0
+        allowed = ratio * (self.rel_err_hf_bf16 + self.rel_err_storage) + extra + 1e-6
         if extra:  # the allowance as a multiple of HF bf16's error
             ratio = allowed / max(self.rel_err_hf_bf16, 1e-12)
         floor = min(MIN_MEAN_COSINE, 1 - ratio ** 2 * (1 - self.mean_cos_hf_bf16))
@@ -77,11 +71,9 @@ class PlaneStats:
 
     @property
     def judged_by(self) -> str:
-        if not self.decode:
-            return f"{MAX_ERROR_RATIO:g}x HF bf16"
         if self.rel_gap_prefill is not None:
             return f"{MAX_ERROR_RATIO:g}x HF bf16 + decode-vs-prefill"
-        return f"{DECODE_MAX_ERROR_RATIO:g}x HF bf16 (no twin)"
+        return f"{MAX_ERROR_RATIO:g}x HF bf16"
 
 
 @dataclasses.dataclass
