@@ -346,3 +346,32 @@ def test_a_full_live_buffer_keeps_the_samples_with_the_most_rows_and_drops_the_r
     assert sorted((m.rid, m.ok, m.ok or m.status) for m in msgs) == [("a", True, True), ("b", False, 503), ("c", False, 503)]
     assert writer.stats["dropped"] == 2 and pool.in_use == 0
     writer.close()
+
+
+def test_a_live_buffer_with_no_room_left_drops_one_sample_to_keep_the_other(tmp_path):
+    """Both slabs full, each with one sample's rows, and a decode step of both: dropping one
+    gives its slab back at once, so the other goes on (dropping every sample of the step, as
+    keeping only what already fit did, lost both)."""
+    msgs = []
+    pool = SlabPool(2 << 10, slab_bytes=1 << 10, drop_when_full=True)  # 2 slabs of 16 rows of 64 bytes
+    writer = SampleWriter(DirectorySink(str(tmp_path), "dp0", AUX), pool, msgs.append, threads=1)
+    w = ExportRuntime(AUX, writer, "dp0-tp0")
+    prompt = list(range(100, 116))
+    sts = {rid: w.new_state(rid, prompt, DECODE, lambda: False) for rid in ("a", "b")}
+    for st in sts.values():
+        forward(w, st, 0, 16)  # a slab each, full
+    assert pool.room(64) == 0
+    for step in range(2):
+        states = [st for st in sts.values() if not st.dropped]
+        assert w.begin_decode(states, [17 + step] * len(states))
+        rows = torch.randn(len(states), H)
+        w.stage(rows, [rows])
+        w.end_forward()
+    kept = [rid for rid, st in sts.items() if not st.dropped]
+    assert len(kept) == 1 and sts[kept[0]].rows_held == 18
+    for st in sts.values():
+        w.finish(st, [7, 8, 9], aborted=False)
+    writer.flush()
+    assert sorted((m.rid, m.ok) for m in msgs) == sorted((rid, rid in kept) for rid in sts)
+    assert writer.stats["dropped"] == 1 and pool.in_use == 0
+    writer.close()

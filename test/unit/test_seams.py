@@ -51,13 +51,13 @@ EXPECTED_PARAMS = {
 
 def test_every_seam_is_listed_here_and_in_fork_notes():
     """FORK_NOTES' seam table is the ledger: one row per registered seam, in registration
-    order, naming its function, target and hook type."""
+    order, naming its function, target, hook type and when it is registered."""
     from sglang_hs.overlay.seams import SEAMS
 
     assert sorted(s.target for s in SEAMS) == sorted(EXPECTED_PARAMS)
     notes = open(os.path.join(HERE, "..", "..", "FORK_NOTES.md")).read()
-    rows = re.findall(r"^\| `(\w+)` \| `([\w.]+)` \| (\w+) \| .+ \| .+ \|$", notes, re.M)
-    assert rows == [(s.fn.__name__, s.target, s.hook_type.name) for s in SEAMS]
+    rows = re.findall(r"^\| `(\w+)` \| `([\w.]+)` \| (\w+) \| (\w+) \| .+ \| .+ \|$", notes, re.M)
+    assert rows == [(s.fn.__name__, s.target, s.hook_type.name, s.when) for s in SEAMS]
 
 
 UPSTREAM_READERS = {os.path.join("overlay", "seams.py"), os.path.join("overlay", "releases.py")}

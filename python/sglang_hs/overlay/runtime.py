@@ -178,19 +178,18 @@ class ExportRuntime:
         self.copies += 1
 
     def _shed(self, fwd: _Forward, row_bytes: int) -> bool:
-        """Keep the samples of this forward that the host buffer has room for, those with the
-        most rows held first (the most work kept); drop and count the others. Decided on the
-        host before the rows are gathered. False (and no forward) when none fit."""
-        room = self.writer.pool.room(row_bytes)
-        keep = set()
-        for seg in sorted(fwd.segments, key=lambda g: -g.state.rows_held):
-            if seg.num_rows <= room:
-                room -= seg.num_rows
-                keep.add(id(seg))
-        for seg in fwd.segments:
-            if id(seg) not in keep:
-                self._shed_one(seg.state)
-        fwd.segments = [seg for seg in fwd.segments if id(seg) in keep]
+        """Make room for this forward's rows by dropping (and counting) its samples with the
+        fewest rows held first, until the others fit: the most work is kept, and a dropped
+        sample's rows come back to the pool at once where their copies have landed. Decided
+        on the host before the rows are gathered. False (and no forward) when none is kept."""
+        pool, need, dropped = self.writer.pool, _rows(fwd), set()
+        for seg in sorted(fwd.segments, key=lambda g: g.state.rows_held):
+            if need <= pool.room(row_bytes):
+                break
+            self._shed_one(seg.state)
+            dropped.add(id(seg))
+            need -= seg.num_rows
+        fwd.segments = [seg for seg in fwd.segments if id(seg) not in dropped]
         if not fwd.segments:
             self._fwd = None
             return False

@@ -66,9 +66,10 @@ class SampleWriter:
 
     def release(self, pieces: List[Piece], ready: List[Any]) -> None:
         """Give host rows back once the device->host copies into them (`ready`: their CUDA
-        events) have landed. A writer thread waits for that, never the forward loop: the
-        scheduler thread calls this on aborts, failures and live capture's shedding."""
-        if not ready:  # nothing in flight (CPU: copies are synchronous)
+        events) have landed: at once if they have (asked without waiting), else a writer
+        thread waits for them, never the forward loop. The scheduler thread calls this on
+        aborts, failures and live capture's shedding."""
+        if all(ev.query() for ev in ready):  # nothing in flight (CPU: copies are synchronous)
             for p in pieces:
                 p.release()
         elif pieces:

@@ -117,7 +117,10 @@ class LocalServer:
         # Every TCP port a single-node SGLang binds is chosen here: the HTTP port and the
         # torch.distributed rendezvous (--nccl-port, which SGLang otherwise picks on its own and
         # does not hold until its scheduler binds it), unless the caller gave one.
-        self.nccl_port = None if _has_flag(args, "--nccl-port") else free_port()
+        # Not with --dp-size > 1: each replica would take the same port (SGLang picks and holds
+        # one per replica itself then).
+        self.nccl_port = None if _has_flag(args, "--nccl-port") or _int_flag(
+            args, ("--dp-size", "--data-parallel-size")) > 1 else free_port()
         self.cpu = cpu
         self.env = cpu_env(ranks=ranks_of(args)) if cpu else dict(os.environ, PYTHONUNBUFFERED="1")
         self.log_path = log_path
