@@ -14,7 +14,7 @@ import pytest
 from sglang_hs.overlay import seams
 from sglang_hs.tools.serve import LocalServer
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.core]  # every release of the window: the seams' groups
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook_probe")
 
 

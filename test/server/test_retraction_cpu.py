@@ -53,7 +53,7 @@ def test_retracted_requests_are_exported_once_and_exact(tight_server):
                 assert mi["hidden_states_export"]["num_tokens"] == len(prompts[rid])
                 if mi.get("num_retractions", 0) > 0:
                     retracted.append(rid)
-        if retracted:
+        if any(r in decoding for r in retracted):  # SGLang chooses which request it retracts
             break
     if not retracted and installed() != SGLANG_WINDOW[0]:
         # Measured on 0.5.23: its scheduler admits 2 of the 8 requests into 1200 tokens (it
