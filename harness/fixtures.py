@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from typing import List, Sequence
 
@@ -25,3 +27,12 @@ def write_test_export_json(out_dir: str, hidden_size: int, aux_layer_ids=(2, 5, 
                        sglang_version="test", storage=Storage(export_dtype, final_rows))
     write_export_json(out_dir, info)
     return info
+
+
+def record_gpu_result(name: str, value) -> None:
+    """Add `name` to the GPU tests' JSON (SGLANG_HS_GPU_RESULTS, which gpu_session.sh sets), if any."""
+    path = os.environ.get("SGLANG_HS_GPU_RESULTS")
+    if path:
+        data = json.load(open(path)) if os.path.exists(path) else {}
+        data[name] = value
+        json.dump(data, open(path, "w"), indent=2)

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from harness.fixtures import prompts
+from harness.fixtures import prompts, record_gpu_result as record
 from sglang_hs.format import load_sample, read_manifest, validate_export
 from sglang_hs.tools.serve import LocalServer
 from sglang_hs.tools.verify import verify_export
@@ -22,14 +22,6 @@ pytestmark = [pytest.mark.gpu,
 
 GPU_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--skip-tokenizer-init",
              "--skip-server-warmup", "--mem-fraction-static", "0.3", "--chunked-prefill-size", "512"]
-RESULTS = os.environ.get("SGLANG_HS_GPU_RESULTS")
-
-
-def record(name, value):
-    if RESULTS:
-        data = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
-        data[name] = value
-        json.dump(data, open(RESULTS, "w"), indent=2)
 
 
 def mini_llama_dir(d):

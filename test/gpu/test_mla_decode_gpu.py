@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from harness import models
-from harness.fixtures import prompts
+from harness.fixtures import prompts, record_gpu_result as record
 from sglang_hs.format import decode_sample, load_sample, read_manifest
 from sglang_hs.tools.serve import LocalServer
 from sglang_hs.tools.verify import hf_planes, load_hf, verify_export
@@ -38,14 +38,6 @@ AUX = [1, 4, 7]
 FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--skip-tokenizer-init",
          "--skip-server-warmup", "--mem-fraction-static", "0.3", "--chunked-prefill-size", "256",
          "--num-continuous-decode-steps", "4", "--cuda-graph-max-bs", "32"]
-RESULTS = os.environ.get("SGLANG_HS_GPU_RESULTS")
-
-
-def record(name, value):
-    if RESULTS:
-        data = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
-        data[name] = value
-        json.dump(data, open(RESULTS, "w"), indent=2)
 
 
 def rows_of(out, rid):

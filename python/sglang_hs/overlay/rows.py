@@ -257,8 +257,8 @@ def gather_rows(final: torch.Tensor, aux: AuxStates, index: RowIndex, num_aux: i
     the host after the next forward may have reused SGLang's buffers).
 
     `aux` is SGLang's list of K [N, H] tensors or its packed [N, K*H] buffer."""
-    def take(x):
-        return x[index].clone() if isinstance(index, slice) else x.index_select(0, index)
+    def take(x, own=True):  # own: a slice's rows copied out (index_select and stack copy anyway)
+        return (x[index].clone() if own else x[index]) if isinstance(index, slice) else x.index_select(0, index)
 
     if isinstance(aux, torch.Tensor):
         rows = take(aux)
@@ -266,7 +266,7 @@ def gather_rows(final: torch.Tensor, aux: AuxStates, index: RowIndex, num_aux: i
     else:
         if len(aux) != num_aux:
             raise RuntimeError(f"model captured {len(aux)} aux layers, expected {num_aux}")
-        aux_rows = torch.stack([x[index] if isinstance(index, slice) else x.index_select(0, index) for x in aux], dim=1)
+        aux_rows = torch.stack([take(x, own=False) for x in aux], dim=1)
     return aux_rows, take(final)
 
 

@@ -43,7 +43,7 @@ class SyncCheck:
         wait = torch.cuda.Event.synchronize
         local = self._local
 
-        def synchronize(event):
+        def synchronize(event):  # writer threads (depth 0) wait as before; only the checked thread is refused
             if getattr(local, "depth", 0):
                 raise RuntimeError("sglang-hs: a CUDA event wait on the scheduler thread inside an export hook")
             return wait(event)

@@ -578,6 +578,7 @@ def forward_batch_generation(original, self, batch=None, *args, **kwargs):
         if mode.is_extend():
             planned = rt.begin_forward([_state_of(r) for r in batch.reqs], batch.prefix_lens, batch.extend_lens)
         elif mode.is_decode():
+            # seq_lens_cpu is SGLang's host copy of the lengths: .tolist() reads host memory, no sync
             planned = rt.begin_decode([_state_of(r) for r in batch.reqs], batch.seq_lens_cpu.tolist())
         else:
             planned = False

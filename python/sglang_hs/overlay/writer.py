@@ -83,7 +83,7 @@ class SampleWriter:
                 return
             if isinstance(job, _Release):
                 try:
-                    for ev in job.ready:
+                    for ev in job.ready:  # on this writer thread, never the scheduler's
                         ev.synchronize()
                 finally:
                     for p in job.pieces:

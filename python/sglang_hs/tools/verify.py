@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Set, Union
 
 import torch
 
@@ -206,14 +206,13 @@ def verify_export(out_dir: Union[str, Sequence[str]], model_path: Optional[str] 
     bf16_model = load_hf(model_path, torch.bfloat16, device)
     acc: Dict[str, list] = {}
     gaps: Dict[str, list] = {}
-    twins = _prefill_twins(dirs)
+    chosen = [(e, sample_metadata(dirs.path(e)).get("prompt_tokens"))
+              for e in (dirs.entries if samples is None else dirs.entries[:samples])]
+    twins = _prefill_twins(dirs, {e.get("num_tokens") for e, prompt in chosen if prompt is not None})
     n = tokens = 0
-    for entry in dirs.entries:
-        if samples is not None and n >= samples:
-            break
+    for entry, prompt in chosen:
         path = dirs.path(entry)
         t = decode_sample(load_sample(path), torch.float32)
-        prompt = sample_metadata(path).get("prompt_tokens")
         tok = t["token_ids"]
         rows = t["aux_hidden_states"].shape[0]  # decode rows: none for the last generated token
         ref = hf_planes(ref_model, tok, ids)[:rows]
@@ -245,22 +244,16 @@ def verify_export(out_dir: Union[str, Sequence[str]], model_path: Optional[str] 
     return VerifyReport(n, tokens, planes, errors, dirs.lines())
 
 
-def _prefill_twins(dirs: ExportDirs) -> Dict[tuple, dict]:
-    """Prompt-only samples whose tokens are the whole sequence of a sample with decode rows
-    (same server, same positions): {token ids: manifest entry}. Only sequences a decode
-    sample has are read in full."""
-    by_tokens: Dict[int, List[dict]] = {}
-    decode_lengths = set()
-    for entry in dirs.entries:
-        meta = sample_metadata(dirs.path(entry))
-        if meta.get("prompt_tokens") is not None:
-            decode_lengths.add(entry.get("num_tokens"))
-        else:
-            by_tokens.setdefault(entry.get("num_tokens"), []).append(entry)
+def _prefill_twins(dirs: ExportDirs, lengths: Set[int]) -> Dict[tuple, dict]:
+    """Prompt-only samples of one of these token counts (those of the decode samples being
+    verified), by their tokens: a decode sample's twin has its whole sequence (same server,
+    same positions). Only samples of those lengths are opened."""
     twins: Dict[tuple, dict] = {}
-    for length in decode_lengths:
-        for entry in by_tokens.get(length, []):
-            with safe_open(dirs.path(entry), framework="pt") as f:
+    for entry in dirs.entries:
+        if entry.get("num_tokens") not in lengths:
+            continue
+        path = dirs.path(entry)
+        if sample_metadata(path).get("prompt_tokens") is None:
+            with safe_open(path, framework="pt") as f:
                 twins.setdefault(tuple(f.get_tensor("token_ids").tolist()), entry)
     return twins
-
