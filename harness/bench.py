@@ -173,6 +173,9 @@ def provenance(command: Sequence[str]) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git("rev-parse", "HEAD") or os.environ.get("SGLANG_HS_GIT_SHA", ""),
         "git_dirty": bool(git("status", "--porcelain")),
+        # The GPU host's copy of the tree has the base commit's .git: gpu_session.sh says which
+        # commit's tree it carried (written beside the wheel when it was built).
+        **({"code_commit": os.environ["SGLANG_HS_CODE_COMMIT"]} if os.environ.get("SGLANG_HS_CODE_COMMIT") else {}),
         "versions": versions,
         "hardware": hw,
         "argv0": sys.argv[0],
