@@ -8,7 +8,7 @@ import random
 from typing import List, Sequence
 
 from sglang_hs.format import Storage, write_export_json
-from sglang_hs.overlay.config import export_info
+from sglang_hs.overlay.build import Served, export_info
 
 
 def prompts(seed: int, lengths: Sequence[int], vocab: int = 49152) -> List[List[int]]:
@@ -21,10 +21,10 @@ def write_test_export_json(out_dir: str, hidden_size: int, aux_layer_ids=(2, 5, 
                            architecture: str = "LlamaForCausalLM", num_layers: int = 10, dtype: str = "bfloat16",
                            export_dtype=None, final_rows: str = "all") -> dict:
     """export.json as the server writes it (the same builder), for a directory a test fills."""
-    info = export_info(model_path=model_path, architecture=architecture, hidden_size=hidden_size,
-                       num_layers=num_layers, dtype=dtype, aux_layer_ids=aux_layer_ids,
-                       attention_backend="torch_native", device="cpu", tp_size=1, dp_size=1,
-                       sglang_version="test", storage=Storage(export_dtype, final_rows))
+    served = Served(model_path=model_path, architecture=architecture, hidden_size=hidden_size, num_layers=num_layers,
+                    dtype=dtype, device="cpu", attention_backend="torch_native", tp_size=1, dp_size=1,
+                    sglang_version="test")
+    info = export_info(served, aux_layer_ids, Storage(export_dtype, final_rows))
     write_export_json(out_dir, info)
     return info
 

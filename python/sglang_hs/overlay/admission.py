@@ -14,6 +14,7 @@ import time
 from typing import Container, List, Optional, Sequence, Set
 
 from sglang_hs.format import check_sample_id
+from sglang_hs.overlay.config import SINKS
 from sglang_hs.protocol import (
     REQUEST_KEY,
     DuplicateSampleError,
@@ -110,8 +111,8 @@ def admit(rids: Sequence[str], sampling_params: List[dict], parallel_sample_num:
     being exported by calls not yet answered.
     An entry is exported when it opts in (`"export": true`), or says nothing and is sampled
     (`policy`), and is not SGLang's own health check (`skip_prefix`), which the schedulers
-    skip too. On a server whose sink is `specforge`, only entries that carry SpecForge's
-    `spec_capture` are exported (they say where to); elsewhere such an entry is refused.
+    skip too. On a server whose sink takes SpecForge's `spec_capture` (specforge), only
+    entries that carry one are exported (they say where to); elsewhere such an entry is refused.
     Each error carries its HTTP status.
     """
     options = [parse_request_options(sp.get("custom_params")) for sp in sampling_params]
@@ -138,7 +139,7 @@ def admit(rids: Sequence[str], sampling_params: List[dict], parallel_sample_num:
     for i, (rid, opts) in enumerate(zip(rids, options)):
         if opts.export is False or (skip_prefix and str(rid).startswith(skip_prefix)):
             continue
-        if (opts.specforge is not None) != (sink == "specforge"):
+        if (opts.specforge is not None) != SINKS[sink].takes_spec_capture:
             if opts.specforge is None:
                 continue  # a specforge server exports what SpecForge asks it to
             raise RequestOptionsError(f"request {rid!r} carries spec_capture, but this server hands samples to "
@@ -169,7 +170,7 @@ def _check_entry(rid: str, opts, has_input_embeds: bool, exported: Container[str
                  need_loss_mask: bool, sink: str) -> None:
     if has_input_embeds:
         raise RequestOptionsError("hidden-state export needs text or input_ids, not input_embeds")
-    if opts.decode_rows and sink != "directory":
+    if opts.decode_rows and not SINKS[sink].decode_rows:
         raise RequestOptionsError(f"request {rid!r} asks for decode_rows, which only the directory sink writes "
                                   f"yet; this server hands samples to '{sink}'")
     check_sample_id(rid)
@@ -212,6 +213,6 @@ async def hold_until_durable(out, adm: Admission, waiter, out_dir: str) -> None:
         info = outcome.meta_info(out_dir)
         if info is not None:
             mi["hidden_states_export"] = {**info, "held_ms": round(1000 * (time.perf_counter() - t0), 1)}
-            if outcome.sink == "specforge":  # where SpecForge's capture adapter reads its result
+            if SINKS[outcome.sink].answer_field == "spec_capture":  # where SpecForge's adapter reads it
                 mi["spec_capture"] = outcome.answer
 

@@ -20,7 +20,8 @@ import inspect
 import re
 from typing import Any, FrozenSet, List, Optional, Sequence, Tuple
 
-from sglang_hs.overlay.config import ExportConfigError, check_aux_layer_ids
+from sglang_hs.overlay.config import ExportConfigError
+from sglang_hs.overlay.startup import check_aux_layer_ids
 
 # Attribute names under which multimodal and wrapper classes keep the text model, tried in
 # this order (KimiK25ForConditionalGeneration: language_model.model; Gemma3 and Llama4

@@ -27,35 +27,20 @@ import functools
 import json
 import logging
 import os
-import sys
 import uuid
 from typing import Callable, List, NamedTuple, Optional
 
 import torch
 from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
 
-from sglang_hs.format import check_compatible, read_export_json, repair_export, write_export_json
-from sglang_hs.layouts import default_aux_layer_ids
-from sglang_hs.overlay.ids import IdIndex
 from sglang_hs.overlay import releases
-from sglang_hs.overlay.config import (
-    SINKS,
-    ExportConfig,
-    ExportConfigError,
-    check_aux_layer_ids,
-    check_out_dir,
-    check_policy,
-    check_sink,
-    export_info,
-    is_writer_rank,
-)
+from sglang_hs.overlay.config import ExportConfig, ExportConfigError, add_flags
 
 logger = logging.getLogger("sglang_hs")
 
 # The resolved config travels to every SGLang process through the environment: scheduler
 # and detokenizer processes inherit it, whatever way ServerArgs reaches them.
 ENV_CONFIG = "SGLANG_HS_EXPORT_CONFIG"
-ENV_PRESET = "SGLANG_HS_PLATFORM_PRESET"
 # Set by the launcher for a server in CPU mode: its schedulers register the CPU seams.
 ENV_CPU = "SGLANG_HS_CPU_MODE"
 
@@ -132,59 +117,8 @@ def add_cli_args(result, parser):
     stock launcher. Upstream PR: a plugin hook for extra CLI argument groups (or the flags
     as ServerArgs fields). Remove when upstream has either.
     """
-    # A platform preset sets a flag only where the user left the parser's default.
-    _parser_defaults.update({a.dest: a.default for a in parser._actions})
-    g = parser.add_argument_group("sglang-hs hidden-state export")
-    g.add_argument("--export-hidden-states-dir", type=str, default=None, metavar="DIR",
-                   help="Write the EAGLE-3 aux hidden states and the post-norm final hidden state "
-                        "of every prompt token of every generation request to DIR (one safetensors "
-                        "file per request; see the sglang-hs README).")
-    g.add_argument("--export-aux-layer-ids", type=int, nargs="+", default=None, metavar="K",
-                   help="Aux layers as indices into Hugging Face output_hidden_states "
-                        "(0 = embeddings; k = input of decoder layer k). Default: the model's "
-                        "EAGLE-3 default, [2, L//2, L-3] for Llama/Qwen/DeepSeek.")
-    g.add_argument("--export-host-buffer-gib", type=float, default=2.0, metavar="GIB",
-                   help="Host memory for exported rows not yet on disk; when full, the forward "
-                        "loop waits for the writer (default 2).")
-    g.add_argument("--export-writer-threads", type=int, default=8, metavar="N",
-                   help="Background threads writing sample files (default 8).")
-    g.add_argument("--export-write-timeout", type=float, default=600.0, metavar="S",
-                   help="Seconds /generate waits for its sample to be durable (default 600).")
-    g.add_argument("--export-dtype", choices=["bf16", "fp8_e4m3"], default=None,
-                   help="How rows are stored: bf16, or fp8_e4m3 with one float32 scale per row and plane "
-                        "(quantized on the device, about half the bytes). Default: the model's dtype.")
-    g.add_argument("--export-final-rows", choices=["all", "loss"], default="all",
-                   help="Final-state rows at every prompt position (all, the default), or only where the "
-                        "request's loss_mask is 1 (loss: every exported request must send a loss_mask).")
-    g.add_argument("--platform-preset", type=str, default=None, metavar="NAME",
-                   help="Environment variables (NCCL) and server flags for one kind of machine, from "
-                        "sglang_hs/data/presets.json (sm120-pcie-tp8, hopper-nvlink); what you set or give wins.")
-    g.add_argument("--export-sink", choices=list(SINKS), default="directory",
-                   help="Where samples go: the export directory (default); or straight to a trainer's online "
-                        "mode: speculators-file / speculators-fp8 (files in DIR/handoff/ that the trainer deletes "
-                        "once read), speculators-mooncake, specforge (its spec_capture requests, into Mooncake). "
-                        "See docs/online-training.md.")
-    g.add_argument("--export-mooncake-master", default="127.0.0.1:50051", metavar="HOST:PORT",
-                   help="The Mooncake master of the Mooncake sinks (default 127.0.0.1:50051). The writer's "
-                        "own address is MOONCAKE_LOCAL_HOSTNAME (default 127.0.0.1).")
-    g.add_argument("--export-mooncake-protocol", choices=["tcp", "rdma"], default="tcp")
-    g.add_argument("--export-mooncake-device", default="", metavar="NAME",
-                   help="RDMA device(s) for Mooncake, e.g. mlx5_0 (default: Mooncake chooses).")
-    g.add_argument("--export-mooncake-segment-gib", type=float, default=4.0, metavar="GIB",
-                   help="Memory the writer lends the Mooncake store; it must hold the samples trainers have "
-                        "not read yet (default 4).")
-    g.add_argument("--export-sample-rate", type=float, default=1.0, metavar="P",
-                   help="Share of requests exported when a request does not say (custom_params "
-                        "sglang_hs.export true/false always wins), chosen from the rid so a replay exports the "
-                        "same requests (default 1: every request).")
-    g.add_argument("--export-mode", choices=["held", "live"], default="held",
-                   help="held (default): each exported request is answered once its sample is durable (capture "
-                        "jobs). live: answers never wait; sampled requests are exported with their answers "
-                        "(decode rows), and when the host buffer is full a sample is dropped and counted "
-                        "instead of slowing serving. See docs/live-capture.md.")
-    g.add_argument("--export-allow-untested-model", action="store_true",
-                   help="Export a model class whose layer ids read back right but whose export sglang-hs "
-                        "has not compared with Hugging Face (see the README's family table).")
+    _parser_defaults.update({a.dest: a.default for a in parser._actions})  # for a platform preset
+    add_flags(parser)
 
 
 @seam("sglang.srt.server_args.ServerArgs.from_cli_args", HookType.AROUND, LAUNCH)
@@ -195,21 +129,37 @@ def from_cli_args(original, cls, args):
     process is spawned or weights are read, so bad settings fail in a second with a clear
     message. Upstream PR: ServerArgs fields plus a validation hook. Remove with that PR.
     """
-    if getattr(args, "platform_preset", None):
-        _apply_platform_preset(args)
-    else:  # not one inherited from another launch: export.json names only this launch's preset
-        os.environ.pop(ENV_PRESET, None)
+    from sglang_hs.overlay import startup
+
+    try:
+        if getattr(args, "platform_preset", None):
+            startup.apply_platform_preset(args, _parser_defaults)
+        else:  # not one inherited from another launch: export.json names only this launch's preset
+            os.environ.pop(startup.ENV_PRESET, None)
+    except ExportConfigError as e:
+        raise SystemExit(f"sglang-hs: error: {e}") from None
     server_args = original(cls, args)
     if releases.resolved(server_args).device == "cpu":
         os.environ[ENV_CPU] = "1"
     else:
         os.environ.pop(ENV_CPU, None)
-    out_dir = getattr(args, "export_hidden_states_dir", None)
-    if out_dir is None:
+    if getattr(args, "export_hidden_states_dir", None) is None:
         os.environ.pop(ENV_CONFIG, None)
         return server_args
+
+    def num_layers():
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
+        return mc.num_hidden_layers
+
+    server = startup.Server(
+        model_path=server_args.model_path, pp_size=server_args.pp_size,
+        speculative_algorithm=server_args.speculative_algorithm,
+        tokenizer_worker_num=server_args.tokenizer_worker_num, nnodes=server_args.nnodes,
+        row_breaking=releases.row_breaking_flags(server_args))
     try:
-        cfg = _check_startup(server_args, args)
+        cfg = startup.check_startup(args, server, num_layers)
     except ExportConfigError as e:
         raise SystemExit(f"sglang-hs: error: {e}") from None
     os.environ[ENV_CONFIG] = json.dumps(dataclasses.asdict(cfg))
@@ -219,110 +169,6 @@ def from_cli_args(original, cls, args):
     logger.info("sglang-hs: exporting hidden states to %s (aux layers %s)", cfg.out_dir,
                 list(cfg.aux_layer_ids) if cfg.aux_layer_ids else "model default")
     return server_args
-
-
-def _apply_platform_preset(args) -> None:
-    """Before ServerArgs exists and before any process spawns (children inherit os.environ)."""
-    from sglang_hs.overlay.presets import PresetError, apply_preset, flag_given, get_preset
-
-    try:
-        preset = get_preset(args.platform_preset)
-        applied = apply_preset(preset, os.environ, lambda f: flag_given(f, sys.argv[1:], args, _parser_defaults), args)
-    except PresetError as e:
-        raise SystemExit(f"sglang-hs: error: {e}") from None
-    os.environ[ENV_PRESET] = preset.name  # for export.json, written in a scheduler process
-    for line in applied.lines:
-        logger.warning("sglang-hs: platform preset %s: %s", preset.name, line)
-
-
-def _check_startup(server_args, args) -> ExportConfig:
-    refused = releases.row_breaking_flags(server_args)
-    if refused:
-        raise ExportConfigError("--export-hidden-states-dir cannot be combined with " + "; ".join(refused)
-                                + ". Drop the flag.")
-    if server_args.pp_size > 1:
-        raise ExportConfigError("--export-hidden-states-dir with --pp-size > 1 is not supported yet.")
-    if server_args.speculative_algorithm is not None:
-        raise ExportConfigError("--export-hidden-states-dir cannot be combined with speculative decoding yet: "
-                                "a verify forward computes rows of draft tokens that are then rejected, and SGLang "
-                                "does not say which rows were accepted (docs/upstream-rfc.md). Export with a plain "
-                                "target server.")
-    if server_args.tokenizer_worker_num > 1:
-        raise ExportConfigError("--export-hidden-states-dir needs --tokenizer-worker-num 1.")
-    if server_args.nnodes > 1:
-        # Writers tell the HTTP process over an ipc:// socket, which exists on one host only.
-        raise ExportConfigError("--export-hidden-states-dir with --nnodes > 1 is not supported yet: run one "
-                                "server per node (each with its own export directory) behind a router.")
-    out_dir = check_out_dir(args.export_hidden_states_dir)
-    ids = None
-    if args.export_aux_layer_ids is not None:
-        from sglang.srt.configs.model_config import ModelConfig
-
-        mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
-        ids = check_aux_layer_ids(args.export_aux_layer_ids, mc.num_hidden_layers)
-    check_sink(args.export_sink, args.export_dtype, args.export_final_rows)
-    check_policy(args.export_mode, args.export_sample_rate, args.export_sink, args.export_final_rows)
-    if args.export_sink != "directory":
-        _check_sink_imports(args.export_sink)
-    if args.export_sink.startswith("speculators") and ids is None:
-        # speculators' payload carries no layer ids: capture what its draft assumes unless told.
-        from sglang.srt.configs.model_config import ModelConfig
-
-        mc = getattr(server_args, "model_config", None) or ModelConfig.from_server_args(server_args)
-        ids = check_aux_layer_ids(default_aux_layer_ids(mc.num_hidden_layers), mc.num_hidden_layers)
-    elif args.export_sink.startswith("speculators"):
-        logger.warning("sglang-hs: --export-aux-layer-ids %s: speculators' payload carries no layer ids, so train "
-                       "with `speculators train ... --target-layer-ids %s`", list(ids), " ".join(map(str, ids)))
-    existing = read_export_json(out_dir)
-    if existing is not None:
-        new = {"model_path": server_args.model_path, "export_dtype": args.export_dtype,
-               "final_rows": args.export_final_rows}
-        if ids is not None:
-            new["aux_layer_ids"] = list(ids)
-        try:
-            check_compatible(existing, new)
-        except ValueError as e:
-            raise ExportConfigError(f"{out_dir}: {e}") from None
-    if args.export_host_buffer_gib <= 0 or args.export_writer_threads < 1:
-        raise ExportConfigError("--export-host-buffer-gib must be > 0 and --export-writer-threads >= 1.")
-    # Every check passed and no server writes here yet (schedulers start later): reconcile what
-    # a crash left behind, so a start-up that is refused changes nothing.
-    repaired = repair_export(out_dir, apply=True)
-    for line in repaired.lines() if repaired.changed else []:
-        logger.warning("sglang-hs: repaired %s at start-up: %s", out_dir, line)
-    IdIndex.recreate(out_dir).close()  # the done ids, from the repaired manifest
-    return ExportConfig(
-        out_dir=out_dir,
-        aux_layer_ids=ids,
-        host_buffer_bytes=int(args.export_host_buffer_gib * (1 << 30)),
-        writer_threads=args.export_writer_threads,
-        write_timeout_s=args.export_write_timeout,
-        notify_addr=ExportConfig.new_notify_addr(),
-        allow_untested_model=args.export_allow_untested_model,
-        export_dtype=args.export_dtype,
-        final_rows=args.export_final_rows,
-        sink=args.export_sink,
-        mooncake_master=args.export_mooncake_master,
-        mooncake_protocol=args.export_mooncake_protocol,
-        mooncake_device=args.export_mooncake_device,
-        mooncake_segment_bytes=int(args.export_mooncake_segment_gib * (1 << 30)),
-        sample_rate=args.export_sample_rate,
-        mode=args.export_mode,
-    )
-
-
-def _check_sink_imports(sink: str) -> None:
-    """Fail at start-up, not at the first sample, when a sink's producer code is missing."""
-    need = {"speculators-mooncake": ("hs_connectors", "mooncake.store"), "specforge": ("mooncake.store",)}
-    for mod in need.get(sink, ()):
-        try:
-            __import__(mod)
-        except ImportError as e:
-            raise ExportConfigError(
-                f"--export-sink {sink} needs the Python module {mod} ({e}): pip install "
-                + ("hs-connectors==0.9.0 --no-deps" if mod == "hs_connectors" else
-                   "mooncake-transfer-engine (GPU hosts) or mooncake-transfer-engine-non-cuda (CPU), and on Debian "
-                   "apt-get install libibverbs1 libnl-3-200 libnl-route-3-200")) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -348,6 +194,7 @@ def init_attention_backends(result, self):
     cfg = config()
     if cfg is None or self.is_draft_worker:
         return
+    from sglang_hs.overlay import build
     from sglang_hs.overlay.aux_layers import set_aux_layers
     from sglang_hs.overlay.runtime import ExportRuntime, sync_check
 
@@ -361,8 +208,8 @@ def init_attention_backends(result, self):
                        "(--export-allow-untested-model); check the first samples with `sglang-hs verify DIR`", arch)
     ranks = releases.parallel_ranks(self)
     writer = None
-    if is_writer_rank(ranks.attn_tp_rank, ranks.attn_cp_rank, ranks.pp_rank == ranks.pp_size - 1):
-        writer = _make_writer(cfg, self, arch, num_layers, ids, ranks.writer_shard)
+    if build.is_writer_rank(ranks.attn_tp_rank, ranks.attn_cp_rank, ranks.pp_rank == ranks.pp_size - 1):
+        writer = build.make_writer(cfg, _served(self, arch, num_layers), ids, ranks.writer_shard)
     _checked = sync_check()
     _runtime = ExportRuntime(ids, writer, rank=f"dp{ranks.attn_dp_rank}-tp{ranks.attn_tp_rank}")
     logger.info("sglang-hs: aux capture on %s layers %s (HF convention; %s reads %s), writer rank: %s",
@@ -409,99 +256,22 @@ def drain_on_shutdown(self, *args, **kwargs):
     return None
 
 
-def _make_writer(cfg: ExportConfig, runner, arch: str, num_layers: int, ids, shard: str):
+def _served(runner, arch: str, num_layers: int):
+    """What this scheduler serves: the server args as resolved (what it runs with, not only
+    what was typed) and the loaded model."""
     import sglang
 
-    from sglang_hs.overlay.notify import Notifier
-    from sglang_hs.overlay.staging import SLAB_BYTES, SlabPool
-    from sglang_hs.overlay.writer import SampleWriter
+    from sglang_hs.overlay.build import Served
 
-    sa = releases.resolved(runner.server_args)  # what the server runs with, not only what was typed
-    info = export_info(
+    sa = releases.resolved(runner.server_args)
+    return Served(
         model_path=sa.model_path, architecture=arch, hidden_size=runner.model_config.hidden_size,
-        num_layers=num_layers, dtype=str(runner.dtype).replace("torch.", ""), aux_layer_ids=ids,
-        attention_backend=sa.attention_backend, device=sa.device, tp_size=sa.tp_size, dp_size=sa.dp_size,
-        sglang_version=sglang.__version__, tokenizer_path=sa.tokenizer_path,
-        chat_template_sha256=_chat_template_sha256(sa), quantization=sa.quantization,
-        kv_cache_dtype=sa.kv_cache_dtype, numerics=_numerics(sa, runner), storage=cfg.storage)
-    existing = read_export_json(cfg.out_dir)
-    if existing is None:
-        write_export_json(cfg.out_dir, info)
-    else:
-        check_compatible(existing, info)
-    # live capture never makes the forward loop wait for host memory: it drops the sample
-    # A buffer below 16 slabs has 16 smaller ones (each still room for 64 float32 rows).
-    row_max = (len(ids) + 1) * (runner.model_config.hidden_size * 4 + 4)
-    slab = min(SLAB_BYTES, max(cfg.host_buffer_bytes // 16, 64 * row_max))
-    pool = SlabPool(cfg.host_buffer_bytes, slab_bytes=slab, pin=str(runner.device).startswith("cuda"),
-                    drop_when_full=cfg.mode == "live")
-    return SampleWriter(_make_sink(cfg, sa.model_path, ids, shard), pool, Notifier(cfg.notify_addr),
-                        threads=cfg.writer_threads, counters=_metrics_counters(shard))
-
-
-# The writer's counts as they appear on SGLang's /metrics (`_total` is added by Prometheus).
-METRICS = {"samples": ("sglang_hs:exported_samples", "Samples exported (durable in their sink)"),
-           "tokens": ("sglang_hs:exported_tokens", "Token positions of the samples exported"),
-           "bytes": ("sglang_hs:exported_bytes", "Bytes of the samples exported"),
-           "failed": ("sglang_hs:failed_samples", "Samples that could not be exported (each answered with its error)"),
-           "dropped": ("sglang_hs:dropped_samples", "Samples live capture dropped because the host buffer was full")}
-
-
-def _metrics_counters(shard: str) -> dict:
-    """Dependency (ledgered in FORK_NOTES.md): with --enable-metrics, SGLang sets
-    PROMETHEUS_MULTIPROC_DIR before its schedulers start and serves /metrics from every
-    process's prometheus_client files; counters made in a scheduler process then appear there."""
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return {}
-    from prometheus_client import Counter
-
-    return {k: Counter(name, doc, ["shard"]).labels(shard=shard) for k, (name, doc) in METRICS.items()}
-
-
-def _make_sink(cfg: ExportConfig, model_path: str, ids, shard: str):
-    from sglang_hs.layouts import final_norm_weight
-    from sglang_hs.overlay import sinks
-
-    if cfg.sink == "directory":
-        return sinks.DirectorySink(cfg.out_dir, shard, ids, cfg.storage)
-    if cfg.sink == "specforge":  # SpecForge numbers aux layers one lower (see convert.eagle3_draft_config)
-        return sinks.SpecForgeSink(cfg.mooncake, [i - 1 for i in ids])
-    w = final_norm_weight(model_path)
-    if cfg.sink == "speculators-mooncake":
-        return sinks.SpeculatorsMooncakeSink(cfg.mooncake, w)
-    sink = sinks.HandoffSink(cfg.out_dir, ids, w, fp8=cfg.sink == "speculators-fp8")
-    if sink.orphans_removed:
-        logger.warning("sglang-hs: removed %d handoff files in %s older than %d s: a trainer died before reading "
-                       "them", sink.orphans_removed, sink.dir, sinks.HANDOFF_ORPHAN_S)
-    return sink
-
-
-def _numerics(sa, runner) -> dict:
-    """What the exported numbers depend on beyond the model, as this scheduler process sees it."""
-    from sglang_hs.overlay.presets import recorded_env
-
-    gpu = None
-    if str(runner.device).startswith("cuda") and torch.cuda.is_available():
-        gpu = {"name": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability())}
-    return {"env": recorded_env(os.environ), "platform_preset": os.environ.get(ENV_PRESET),
-            "attention_backend": sa.attention_backend, "disable_custom_all_reduce": sa.disable_custom_all_reduce,
-            "enable_torch_compile": sa.enable_torch_compile, "disable_cuda_graph": sa.disable_cuda_graph,
-            "gpu": gpu}
-
-
-def _chat_template_sha256(sa):
-    """The fingerprint of the chat template of the tokenizer the server was started with
-    (None when it has none or cannot be loaded here: the export does not depend on it)."""
-    from transformers import AutoTokenizer
-
-    from sglang_hs.format import chat_template_sha256
-
-    try:
-        tok = AutoTokenizer.from_pretrained(sa.tokenizer_path, trust_remote_code=sa.trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - provenance only
-        logger.warning("sglang-hs: could not load the tokenizer for export.json provenance: %s", e)
-        return None
-    return chat_template_sha256(getattr(tok, "chat_template", None))
+        num_layers=num_layers, dtype=str(runner.dtype).replace("torch.", ""), device=sa.device,
+        attention_backend=sa.attention_backend, tp_size=sa.tp_size, dp_size=sa.dp_size,
+        sglang_version=sglang.__version__, tokenizer_path=sa.tokenizer_path, trust_remote_code=sa.trust_remote_code,
+        quantization=sa.quantization, kv_cache_dtype=sa.kv_cache_dtype,
+        disable_custom_all_reduce=sa.disable_custom_all_reduce, enable_torch_compile=sa.enable_torch_compile,
+        disable_cuda_graph=sa.disable_cuda_graph)
 
 
 def _state_of(req):
@@ -784,7 +554,9 @@ def completion_kv_transfer_params(original, self, request, ret, created):
     """
     response = original(self, request, ret, created)
     info = ret[0].get("meta_info", {}).get("hidden_states_export") if len(ret) == 1 else None
-    if not info or info.get("answer") is None or info.get("sink", "").startswith("specforge"):
+    from sglang_hs.overlay.config import SINKS
+
+    if not info or info.get("answer") is None or SINKS[info["sink"]].answer_field != "kv_transfer_params":
         return response
     from fastapi.responses import ORJSONResponse
 

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from sglang_hs.format import Storage
+from sglang_hs.overlay.config import ExportConfig
 from sglang_hs.overlay.rows import RequestState
 from sglang_hs.overlay.staging import Piece, SlabPool
 from sglang_hs.protocol import ExportError, Outcome
@@ -31,7 +32,8 @@ class SampleWriter:
     """Writes complete samples into a sink (`sinks.py`) on background threads and reports
     each outcome; a sample counts as exported once its sink says it is durable."""
 
-    def __init__(self, sink, pool: SlabPool, notify: Notify, threads: int = 2, counters: Optional[dict] = None):
+    def __init__(self, sink, pool: SlabPool, notify: Notify, threads: int = ExportConfig.writer_threads,
+                 counters: Optional[dict] = None):
         self.sink = sink
         self.storage: Storage = sink.storage  # how the forward stages rows for this sink
         self.pool = pool
