@@ -80,6 +80,39 @@ def gil_shares(raw_path, seconds):
             "gil_free_share": max(0.0, 1 - sum(held.values()) / total)}
 
 
+def counters(url):
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^sglang_hs:(\w+)_total\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def kv_tokens(log_path):
+    """The KV cache size SGLang allocated, from its start-up log line."""
+    m = re.search(r"KV Cache is allocated\..*#tokens: (\d+)", open(log_path, errors="replace").read())
+    return int(m.group(1)) if m else None
+
+
+def settle(url, before, expected, timeout_s=300):
+    """Wait until the live server has written, dropped or failed the `expected` samples this
+    arm sampled, so the next arm does not pay for this one's writes. Returns the counters'
+    change and the seconds waited after the arm's last answer (the writer's tail)."""
+    t0 = time.perf_counter()
+    while True:
+        after = counters(url)
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        done = sum(delta.get(k, 0) for k in ("exported_samples", "dropped_samples", "failed_samples"))
+        if done >= expected or time.perf_counter() - t0 > timeout_s:
+            return delta, round(time.perf_counter() - t0, 2)
+        time.sleep(0.05)
+
+
+def clear(export_dir):
+    """Remove the samples written so far (the manifest keeps listing the earlier rounds' removed
+    ones; nothing else reads it here)."""
+    for _, path in iter_samples(export_dir):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
