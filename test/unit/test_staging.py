@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_hs.overlay.staging import SlabPool
+from sglang_hs.overlay.staging import Piece, SlabPool, joined
 
 
 def test_pool_is_bounded_applies_backpressure_and_never_deadlocks():
@@ -143,3 +143,40 @@ def test_split_hands_out_each_run_of_rows_with_its_own_slab_reference(sizes, sca
     for c in cuts:
         c.release()
     assert pool.stats()["host_bytes_in_use"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.integers(1, 6), st.integers(0, 5), st.integers(1, 2)),
+                                    min_size=1, max_size=60),
+       st.sampled_from([1 << 11, 1 << 13]), st.booleans())
+def test_joined_gathers_a_requests_decode_rows_as_the_pieces_views_hold_them(prompt, steps, slab_bytes, scaled):
+    """A prompt staged whole, then decode steps of `bs` rows of which this request's are
+    [at, at + n): joined() equals the pieces' own views put end to end, for every plane, in one
+    tensor per prompt piece and one per run of decode rows in one slab."""
+    K, H = 2, 8
+    dtype = torch.float8_e4m3fn if scaled else torch.bfloat16
+    pool = SlabPool(1 << 22, slab_bytes=slab_bytes)
+
+    def staged(n):
+        ps = pool.pieces(n, K, H, dtype, scaled=scaled)
+        for p in ps:
+            for x in p.planes():
+                x.copy_(torch.randn(x.shape).to(x.dtype))
+        return ps
+
+    mine = staged(prompt)
+    for bs, at, n in steps:
+        at, n = min(at, bs - 1), min(n, bs - min(at, bs - 1))
+        step = [c for p in staged(bs) for c in p.split([1] * p.rows)]  # a row of every request
+        mine += step[at:at + n]
+    for plane in ("aux", "final", "aux_scale", "final_scale"):
+        want = [getattr(Piece._cut(p._of, p._at, p.rows, None), plane) if p._of is not None else getattr(p, plane)
+                for p in mine]
+        got = joined(mine, plane)
+        if want[0] is None:
+            assert got == [None]
+            continue
+        assert torch.equal(torch.cat(got).view(torch.uint8), torch.cat(want).view(torch.uint8))
+        runs = sum(1 for i, p in enumerate(mine) if p._of is None or i == 0 or mine[i - 1]._of is None
+                   or mine[i - 1].slab is not p.slab)
+        assert len(got) == runs  # a tensor per prompt piece, a gather per run of decode rows in one slab

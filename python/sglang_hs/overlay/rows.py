@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from sglang_hs.format import Storage, coalesce, quantize_rows
-from sglang_hs.overlay.staging import Piece
+from sglang_hs.overlay.staging import Piece, joined
 from sglang_hs.protocol import Outcome, RequestOptions, RequestOptionsError
 
 
@@ -328,13 +328,14 @@ def _select_rows(parts: Sequence[torch.Tensor], pos: torch.Tensor) -> List[torch
 
 def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Union[torch.Tensor, List[torch.Tensor]]]:
     """The sample's tensors for `format.write_sample_file`: lists of pieces are written one
-    after the other (the rows of successive chunks and decode steps), never concatenated
-    whole in memory (only small pieces are joined, `format.coalesce`). With
+    after the other (the rows of successive chunks), never concatenated whole in memory; a
+    request's decode rows are gathered out of their slab with one call per slab
+    (`staging.joined`), not a view per generated token. With
     final rows at loss positions only, each piece's final rows at those positions are kept."""
     pieces = st.pieces
     tensors: Dict[str, Union[torch.Tensor, List[torch.Tensor]]] = {
         "token_ids": torch.tensor(st.token_ids, dtype=torch.int64),
-        "aux_hidden_states": [p.aux for p in pieces],
+        "aux_hidden_states": joined(pieces, "aux"),
     }
     mask = st.options.loss_mask
     if mask is not None:
@@ -350,12 +351,13 @@ def build_sample(st: RequestState, storage: Storage = Storage()) -> Dict[str, Un
             raise RequestOptionsError("this server keeps final rows at loss positions only: send a loss_mask")
         pos = torch.nonzero(tensors["loss_mask"][: st.num_rows]).flatten()
         tensors["final_positions"] = pos
-        finals = _select_rows([p.final for p in pieces], pos)
-        final_scales = _select_rows([p.final_scale for p in pieces], pos) if storage.scaled else None
+        finals = _select_rows(joined(pieces, "final"), pos)
+        final_scales = _select_rows(joined(pieces, "final_scale"), pos) if storage.scaled else None
     else:
-        finals, final_scales = [p.final for p in pieces], [p.final_scale for p in pieces]
+        finals = joined(pieces, "final")
+        final_scales = joined(pieces, "final_scale") if storage.scaled else None
     tensors["final_hidden_states"] = finals
     if storage.scaled:
-        tensors["aux_hidden_states_scale"] = [p.aux_scale for p in pieces]
+        tensors["aux_hidden_states_scale"] = joined(pieces, "aux_scale")
         tensors["final_hidden_states_scale"] = final_scales
     return tensors

@@ -46,6 +46,7 @@ from sglang_hs.layouts import SPECULATORS_LAST_LAYER, specforge_online, speculat
 from sglang_hs.overlay.config import MooncakeSettings
 from sglang_hs.overlay.ids import IdIndex
 from sglang_hs.overlay.rows import RequestState, build_sample
+from sglang_hs.overlay.staging import joined
 from sglang_hs.protocol import DuplicateSampleError, ExportError
 
 logger = logging.getLogger("sglang_hs.overlay.sinks")
@@ -68,7 +69,7 @@ class Placed:
 
 def sample_rows(st: RequestState) -> Tuple[torch.Tensor, torch.Tensor]:
     """(aux [T, K, H], final [T, H]) of a complete request, its pieces put end to end."""
-    return torch.cat([p.aux for p in st.pieces]), torch.cat([p.final for p in st.pieces])
+    return torch.cat(joined(st.pieces, "aux")), torch.cat(joined(st.pieces, "final"))
 
 
 class DirectorySink:
